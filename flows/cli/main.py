@@ -1,0 +1,39 @@
+"""Entry point of the ``ckptflow`` console script.
+
+Exit codes (stable, for scripts):
+  0  success
+  1  the thing checked is bad (a checkpoint that does not verify, a chaos trial lost data)
+  2  usage error (bad flag or argument)
+  3  not found (no such path, run or checkpoint)
+  4  a ckptflow error while doing the work (storage, codec, config)
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from flows.cli import cmd_verify
+
+app = typer.Typer(
+    name="ckptflow",
+    help="The whole life of a distributed-training checkpoint.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+# Registration order is the order in --help.
+cmd_verify.register(app)
+
+
+def main() -> None:
+    """Console-script entry: turn ckptflow errors into one clear line and an exit code."""
+    from flows.cli.errors import run_cli
+
+    sys.exit(run_cli(app))
+
+
+if __name__ == "__main__":
+    main()

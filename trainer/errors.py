@@ -1,0 +1,60 @@
+"""Exception types for ckptflow.
+
+Every error raised on purpose derives from :class:`CkptflowError` *and* from the
+builtin that fits, so callers can catch either (``except OSError`` keeps working
+around storage code). Messages name the path, the step and the fix: the person
+reading them is usually paged at 3 a.m. with a stalled training job.
+
+Deliberately never ``BaseException``: DCP's ``CheckpointException`` derives from
+``BaseException`` and slips past ``except Exception`` handlers; we wrap it.
+"""
+
+from __future__ import annotations
+
+
+class CkptflowError(Exception):
+    """Root of every error ckptflow raises on purpose."""
+
+
+class ConfigError(CkptflowError, ValueError):
+    """A configuration value is invalid; the message names the field and value."""
+
+
+class CheckpointNotFoundError(CkptflowError, FileNotFoundError):
+    """No committed checkpoint exists (or none that verifies) where one was expected."""
+
+
+class IntegrityError(CkptflowError, ValueError):
+    """A checkpoint's bytes do not match its manifest.
+
+    ``path`` names the offending file (or the manifest itself) so a report can
+    point at it without parsing the message.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class ManifestError(IntegrityError):
+    """The manifest is missing, unreadable, of an unknown format, or tampered with."""
+
+
+class UnsafePathError(IntegrityError):
+    """A name in a manifest or an object key escapes the checkpoint (``..``, absolute, symlink)."""
+
+
+class MismatchError(CkptflowError, ValueError):
+    """The checkpoint was made by a different config or data set than the resuming job."""
+
+
+class SaveError(CkptflowError, RuntimeError):
+    """An asynchronous save or its commit failed; earlier checkpoints are untouched."""
+
+
+class StorageError(CkptflowError, OSError):
+    """A storage tier operation failed (after its retries)."""
+
+
+class CodecError(CkptflowError, ValueError):
+    """A compressed container is truncated, corrupt or of an unknown format."""

@@ -1,0 +1,93 @@
+"""Durable local file-system primitives: the building blocks of an atomic commit.
+
+A rename is atomic but not durable until the parent directory is fsynced; a file's
+content is not durable until the file is fsynced. Every commit step below says
+which of the two it needs and does exactly that.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make entries created/renamed in ``path`` durable (no-op where unsupported)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems refuse fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_durable(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to a new file and fsync it (the file must not be trusted yet)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def replace_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Replace ``path`` so readers see the old or the new content, never a mix.
+
+    Write a uniquely named sibling, fsync it, rename over the target, fsync the
+    directory. A crash leaves at worst an orphaned ``.<name>.<uuid>.part`` file.
+    """
+    path = os.fspath(path)
+    parent = os.path.dirname(path) or "."
+    tmp = os.path.join(parent, f".{os.path.basename(path)}.{uuid.uuid4().hex}.part")
+    try:
+        write_durable(tmp, data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    fsync_dir(parent)
+
+
+def append_durable(path: str | os.PathLike, line: str) -> None:
+    """Append one line and fsync; with O_APPEND a short line is never interleaved."""
+    data = line if line.endswith("\n") else line + "\n"
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, data.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rename_durable(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Rename (atomic on POSIX within a file system) and fsync the parent(s)."""
+    os.rename(src, dst)
+    fsync_dir(os.path.dirname(os.fspath(dst)) or ".")
+    src_parent = os.path.dirname(os.fspath(src)) or "."
+    if os.path.abspath(src_parent) != os.path.abspath(os.path.dirname(os.fspath(dst)) or "."):
+        fsync_dir(src_parent)
+
+
+def remove_tree(path: str | os.PathLike) -> None:
+    """Delete a directory tree; tolerate it vanishing concurrently."""
+    shutil.rmtree(path, ignore_errors=False, onerror=_ignore_missing)
+
+
+def _ignore_missing(func, p, exc_info):  # noqa: ANN001 - shutil's callback signature
+    if not isinstance(exc_info[1], FileNotFoundError):
+        raise exc_info[1]

@@ -1,0 +1,182 @@
+"""The checkpoint manifest: what a committed checkpoint contains and how to trust it.
+
+``manifest.json`` is written last, by rank 0, after every rank has checksummed its
+own files. It is the single source of truth for integrity on every tier: the bytes
+of each file (size + xxh3-128), the provenance (config hash, data fingerprint, code
+and torch version), the training metrics at the step, and what a later sanity step
+needs to rebuild the model and recompute a probe loss.
+
+Optional signing: with ``CKPTFLOW_MANIFEST_KEY`` set (or a key passed in), the
+manifest carries an HMAC-SHA256 over its canonical JSON; with a key configured an
+unsigned or tampered manifest is refused everywhere it is read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from trainer import layout
+from trainer.checksum import ALGORITHM
+from trainer.errors import IntegrityError, ManifestError
+
+FORMAT = "ckptflow.manifest"
+FORMAT_VERSION = 1
+KEY_ENV = "CKPTFLOW_MANIFEST_KEY"
+MAX_MANIFEST_BYTES = 64 << 20  # a manifest larger than this is not ours: refuse early
+
+
+@dataclass(frozen=True, slots=True)
+class FileEntry:
+    size: int
+    checksum: str
+
+
+@dataclass(kw_only=True, slots=True)
+class Manifest:
+    """Typed view of ``manifest.json``. Unknown top-level keys are preserved in ``extra``."""
+
+    run_id: str
+    step: int
+    world_size: int
+    files: dict[str, FileEntry]
+    created_at: float = field(default_factory=time.time)
+    checksum_algorithm: str = ALGORITHM
+    training: dict[str, Any] = field(default_factory=dict)
+    provenance: dict[str, Any] = field(default_factory=dict)
+    sanity: dict[str, Any] = field(default_factory=dict)
+    state: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    signature: dict[str, str] | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.size for e in self.files.values())
+
+    def body(self) -> dict[str, Any]:
+        """Everything except the signature, in the order it is written."""
+        d: dict[str, Any] = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "run_id": self.run_id,
+            "step": self.step,
+            "world_size": self.world_size,
+            "created_at": self.created_at,
+            "checksum_algorithm": self.checksum_algorithm,
+            "total_bytes": self.total_bytes,
+            "files": {k: asdict(v) for k, v in sorted(self.files.items())},
+            "training": self.training,
+            "provenance": self.provenance,
+            "sanity": self.sanity,
+            "state": self.state,
+        }
+        d.update(self.extra)
+        return d
+
+    def to_json(self, key: bytes | None = None) -> bytes:
+        body = self.body()
+        key = key if key is not None else signing_key()
+        if key:
+            body["signature"] = {"alg": "hmac-sha256", "value": _sign(body, key)}
+        return (json.dumps(body, indent=1, sort_keys=False) + "\n").encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, *, source: str, key: bytes | None = None) -> "Manifest":
+        """Parse and authenticate; ``source`` (a path or URI) goes into every error."""
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"{source}: manifest is {len(data)} bytes, larger than any "
+                                "ckptflow writes; refusing to parse it", path=source)
+        try:
+            d = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ManifestError(f"{source}: manifest is not valid JSON ({e}); the checkpoint "
+                                "is damaged, restore an older one", path=source) from None
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise ManifestError(f"{source}: not a ckptflow manifest (format "
+                                f"{d.get('format') if isinstance(d, dict) else type(d).__name__!r})",
+                                path=source)
+        if d.get("format_version") != FORMAT_VERSION:
+            raise ManifestError(f"{source}: manifest format_version {d.get('format_version')!r} "
+                                f"is not supported by this ckptflow (reads {FORMAT_VERSION}); "
+                                "upgrade ckptflow", path=source)
+        _authenticate(d, source, key if key is not None else signing_key())
+        try:
+            files = {}
+            for name, e in d["files"].items():
+                layout.check_member_name(name)
+                size, checksum = e["size"], e["checksum"]
+                if not isinstance(size, int) or size < 0 or not isinstance(checksum, str):
+                    raise ValueError(f"bad entry for {name!r}")
+                files[name] = FileEntry(size, checksum)
+            if d.get("checksum_algorithm") != ALGORITHM:
+                raise ValueError(f"checksum_algorithm {d.get('checksum_algorithm')!r}")
+            known = {"format", "format_version", "run_id", "step", "world_size", "created_at",
+                     "checksum_algorithm", "total_bytes", "files", "training", "provenance",
+                     "sanity", "state", "signature"}
+            m = cls(
+                run_id=str(d["run_id"]),
+                step=int(d["step"]),
+                world_size=int(d["world_size"]),
+                files=files,
+                created_at=float(d["created_at"]),
+                training=dict(d.get("training") or {}),
+                provenance=dict(d.get("provenance") or {}),
+                sanity=dict(d.get("sanity") or {}),
+                state=dict(d.get("state") or {}),
+                extra={k: v for k, v in d.items() if k not in known},
+                signature=d.get("signature"),
+            )
+        except IntegrityError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ManifestError(f"{source}: manifest is malformed ({e!r}); the checkpoint is "
+                                "damaged or was edited, restore an older one", path=source) from None
+        if layout.DCP_METADATA not in m.files:
+            raise ManifestError(f"{source}: manifest does not list DCP's {layout.DCP_METADATA}",
+                                path=source)
+        return m
+
+
+def signing_key() -> bytes | None:
+    """The HMAC key from the environment, if one is configured."""
+    k = os.environ.get(KEY_ENV)
+    return k.encode() if k else None
+
+
+def _canonical(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _sign(body: dict[str, Any], key: bytes) -> str:
+    return hmac.new(key, _canonical(body), hashlib.sha256).hexdigest()
+
+
+def _authenticate(d: dict[str, Any], source: str, key: bytes | None) -> None:
+    if not key:
+        return  # signing not configured: checksums still protect against corruption
+    sig = d.get("signature")
+    if not isinstance(sig, dict) or sig.get("alg") != "hmac-sha256":
+        raise ManifestError(f"{source}: manifest is not signed but a signing key is configured "
+                            f"({KEY_ENV}); refusing it. Re-sign trusted checkpoints with "
+                            "'ckptflow sign' or unset the key", path=source)
+    body = {k: v for k, v in d.items() if k != "signature"}
+    if not hmac.compare_digest(str(sig.get("value", "")), _sign(body, key)):
+        raise ManifestError(f"{source}: manifest signature does not match (tampered, or signed "
+                            "with another key); refusing it", path=source)
+
+
+def read_manifest(ckpt_dir: str, *, key: bytes | None = None) -> Manifest:
+    """Read ``<ckpt_dir>/manifest.json`` from a local directory."""
+    path = os.path.join(ckpt_dir, layout.MANIFEST)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_MANIFEST_BYTES + 1)
+    except FileNotFoundError:
+        raise ManifestError(f"{path}: manifest is missing; the checkpoint was never committed "
+                            "or was damaged, restore an older one", path=path) from None
+    return Manifest.from_json(data, source=path, key=key)

@@ -1,0 +1,130 @@
+"""Check a local checkpoint directory against its manifest — before anything is loaded.
+
+DCP has no checksums (a flipped data byte loads silently) and its ``.metadata`` is a
+pickle, so nothing in a checkpoint is handed to DCP until this module has confirmed
+every listed file's size and xxh3-128 digest. Files are hashed in parallel threads
+(file reads and xxhash both release the GIL).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from trainer import layout
+from trainer.checksum import hash_file
+from trainer.errors import IntegrityError, UnsafePathError
+from trainer.manifest import Manifest, read_manifest
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    path: str
+    what: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.what}"
+
+
+@dataclass(slots=True)
+class VerifyResult:
+    ckpt_dir: str
+    manifest: Manifest | None
+    problems: list[Problem] = field(default_factory=list)
+    bytes_checked: int = 0
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and self.manifest is not None
+
+    def raise_if_bad(self) -> None:
+        if not self.ok:
+            p = self.problems[0]
+            more = f" (+{len(self.problems) - 1} more)" if len(self.problems) > 1 else ""
+            raise IntegrityError(
+                f"checkpoint {self.ckpt_dir} does not verify: {p}{more}; do not load it — "
+                "resume falls back to an older checkpoint, or restore one from another tier",
+                path=p.path,
+            )
+
+
+def resolve_member(ckpt_dir: str, name: str) -> str:
+    """Local path of a manifest-listed file; refuses names or symlinks leaving the dir."""
+    layout.check_member_name(name)
+    path = os.path.join(ckpt_dir, *name.split("/"))
+    root = os.path.realpath(ckpt_dir)
+    real = os.path.realpath(path)
+    if real != root and not real.startswith(root + os.sep):
+        raise UnsafePathError(f"{path}: resolves outside the checkpoint ({real}); a symlink "
+                              "points out of it, refusing to read it", path=path)
+    return path
+
+
+def check_file(ckpt_dir: str, name: str, size: int, checksum: str) -> Problem | None:
+    try:
+        path = resolve_member(ckpt_dir, name)
+    except UnsafePathError as e:
+        return Problem(os.path.join(ckpt_dir, name), str(e))
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return Problem(path, "missing")
+    if st.st_size != size:
+        return Problem(path, f"size {st.st_size} != {size} in the manifest (truncated or replaced)")
+    digest, n = hash_file(path)
+    if n != size:
+        return Problem(path, f"changed while being read ({n} bytes read, {size} expected)")
+    if digest != checksum:
+        return Problem(path, f"checksum {digest} != {checksum} in the manifest (bytes corrupted)")
+    return None
+
+
+def verify_checkpoint(
+    ckpt_dir: str,
+    *,
+    only: list[str] | None = None,
+    threads: int = 4,
+    key: bytes | None = None,
+) -> VerifyResult:
+    """Verify ``ckpt_dir``; ``only`` limits hashing to a subset (one rank's share).
+
+    Never raises for a bad checkpoint: the result lists every problem found, so a
+    report can name all of them. Use :meth:`VerifyResult.raise_if_bad` to fail.
+    """
+    t0 = time.perf_counter()
+    ckpt_dir = os.fspath(ckpt_dir)
+    res = VerifyResult(ckpt_dir, None)
+    if not os.path.isdir(ckpt_dir):
+        res.problems.append(Problem(ckpt_dir, "checkpoint directory is missing"))
+        return res
+    try:
+        res.manifest = read_manifest(ckpt_dir, key=key)
+    except IntegrityError as e:
+        res.problems.append(Problem(e.path or ckpt_dir, str(e)))
+        return res
+    names = sorted(res.manifest.files) if only is None else sorted(only)
+    todo = [(n, res.manifest.files[n]) for n in names]
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(todo)))) as ex:
+        found = list(ex.map(lambda ne: check_file(ckpt_dir, ne[0], ne[1].size, ne[1].checksum), todo))
+    res.problems.extend(p for p in found if p is not None)
+    res.bytes_checked = sum(e.size for _, e in todo)
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def share_of_files(manifest: Manifest, rank: int, world_size: int) -> list[str]:
+    """Files rank ``rank`` hashes when all ranks verify one checkpoint together.
+
+    Greedy by size so each rank reads about the same number of bytes.
+    """
+    loads = [0] * world_size
+    mine: list[str] = []
+    for name, e in sorted(manifest.files.items(), key=lambda kv: (-kv[1].size, kv[0])):
+        r = loads.index(min(loads))
+        loads[r] += e.size
+        if r == rank:
+            mine.append(name)
+    return mine
