@@ -23,16 +23,12 @@ def exit_code_for(exc: BaseException) -> int:
     return EXIT_ERROR
 
 
-def run_cli(app: typer.Typer) -> int:
+def run_cli(app: typer.Typer, argv: list[str] | None = None) -> int:
+    """Run the app; usage errors are typer's (exit 2), ckptflow errors become one line."""
     try:
-        app(standalone_mode=False)
-    except SystemExit as e:  # typer/click exits for --help and usage errors
-        return int(e.code or 0) if isinstance(e.code, int) else EXIT_USAGE
-    except typer.Exit as e:
-        return e.exit_code
-    except typer.Abort:
-        print("ckptflow: aborted", file=sys.stderr)
-        return 130
+        app(args=argv, standalone_mode=True)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (EXIT_OK if e.code is None else EXIT_ERROR)
     except KeyboardInterrupt:
         print("ckptflow: interrupted", file=sys.stderr)
         return 130
@@ -42,14 +38,8 @@ def run_cli(app: typer.Typer) -> int:
     except FileNotFoundError as e:
         print(f"ckptflow: error: {e.strerror or e}: {e.filename}", file=sys.stderr)
         return EXIT_NOT_FOUND
-    except Exception as e:  # click usage errors come through here in non-standalone mode
-        import click
-
-        if isinstance(e, click.exceptions.UsageError):
-            e.show()
-            return EXIT_USAGE
-        if isinstance(e, click.exceptions.ClickException):
-            e.show()
-            return EXIT_ERROR
-        raise
+    except PermissionError as e:
+        print(f"ckptflow: error: permission denied: {e.filename}; check the path's owner and mode",
+              file=sys.stderr)
+        return EXIT_ERROR
     return EXIT_OK

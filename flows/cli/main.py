@@ -24,6 +24,13 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+
+
+@app.callback()
+def _root() -> None:
+    """ckptflow: async sharded checkpoints, verified tiered storage and restore drills."""
+
+
 # Registration order is the order in --help.
 cmd_verify.register(app)
 

@@ -1,0 +1,293 @@
+"""``CheckpointManager``: three calls in a training loop.
+
+    ckpt = CheckpointManager(cfg, model=model, optimizer=opt, scheduler=sched, sampler=sampler,
+                             provenance=Provenance(config=train_cfg, data_fingerprint=fp))
+    start = ckpt.load()                      # 0 when starting fresh
+    for step in range(start + 1, max_steps + 1):
+        ...train one step...
+        ckpt.save(step, {"loss": loss, "lr": lr}, force=(step == max_steps))
+    ckpt.close()
+
+The manager owns the interval, the async mode, the commit, resume with fallback,
+and the commit event. Public methods check ``enabled`` once and call ``_``-hooks,
+so a subclass overriding a hook cannot skip the guard.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+import torch.distributed as dist
+
+from trainer import commit, events, layout
+from trainer.checksum import hash_bytes
+from trainer.distenv import DistEnv, init_distributed
+from trainer.errors import ConfigError, SaveError
+from trainer.manifest import FileEntry, Manifest
+from trainer.resume import check_provenance, find_resume_point, no_checkpoint_error
+from trainer.saver import ASYNC_MODES, AsyncSaver, SaveRequest
+from trainer.loader import load_verified, train_state
+from trainer.state import build_save_state
+
+log = logging.getLogger(__name__)
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    root: str
+    """Hot-tier root folder (local NVMe); the run lives in ``<root>/<run_id>/``."""
+    run_id: str
+    """Names the run on every tier; [A-Za-z0-9._-]."""
+    interval: int = 100
+    """Save every ``interval`` steps (``save(..., force=True)`` saves regardless)."""
+    async_mode: str = "async_staging"
+    """``async_staging`` (default, measured best), ``thread``, ``process`` or ``sync``."""
+    enabled: bool = True
+    """False turns every call into a no-op (load returns 0)."""
+    resume: str = "auto"
+    """``auto``: resume if a checkpoint exists; ``never``; ``required``: fail if none verifies."""
+    allow_mismatch: bool = False
+    """Resume even if the config hash or data fingerprint differs (logged loudly)."""
+    on_save_error: str = "raise"
+    """``raise``: a failed save stops training; ``continue``: log it and train on."""
+    writer_threads: int = 1
+    """DCP writer threads per rank."""
+    emit_events: bool = True
+    """Send ``ckptflow.checkpoint.committed`` to Prefect when PREFECT_API_URL is set."""
+    event_exit_budget_s: float = 1.0
+    """Longest ``close()`` waits for undelivered events (the outbox keeps them anyway)."""
+
+    def __post_init__(self) -> None:
+        layout.check_run_id(self.run_id)
+        if not isinstance(self.interval, int) or self.interval < 1:
+            raise ConfigError(f"CheckpointConfig.interval={self.interval!r} must be an integer >= 1")
+        if self.async_mode not in ASYNC_MODES:
+            raise ConfigError(f"CheckpointConfig.async_mode={self.async_mode!r}; choose one of {ASYNC_MODES}")
+        if self.resume not in ("auto", "never", "required"):
+            raise ConfigError(f"CheckpointConfig.resume={self.resume!r}; choose auto, never or required")
+        if self.on_save_error not in ("raise", "continue"):
+            raise ConfigError(f"CheckpointConfig.on_save_error={self.on_save_error!r}; choose raise or continue")
+
+
+@dataclass(kw_only=True)
+class Provenance:
+    config: dict[str, Any]
+    """The training config; its hash must match on resume (exclude resume-safe keys)."""
+    data_fingerprint: str
+    """Identifies the data set and its order; must match on resume."""
+    code_version: str | None = None
+    """Defaults to ``git describe`` of the working directory, else the package version."""
+
+    @property
+    def config_hash(self) -> str:
+        import json
+
+        return hash_bytes(json.dumps(self.config, sort_keys=True, default=str).encode())
+
+
+@dataclass(kw_only=True)
+class SanitySpec:
+    """What a later sanity step needs: how to rebuild the model, and a probe."""
+
+    builder: str
+    """``module:function`` that rebuilds (model, optimizer, scheduler) from ``config``."""
+    config: dict[str, Any]
+    probe_tokens: list
+    """A small fixed batch, stored in the manifest."""
+    probe_fn: Callable[[], float]
+    """Computes the probe loss now (all ranks call it; eval mode, no grad)."""
+
+
+def code_version() -> str:
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty", "--tags"], capture_output=True,
+                             text=True, timeout=5, cwd=os.getcwd())
+        if out.returncode == 0 and out.stdout.strip():
+            return "git:" + out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return "ckptflow " + version("ckptflow")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+@dataclass
+class LoadResult:
+    step: int
+    path: str | None
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    mismatches: list[str] = field(default_factory=list)
+
+
+class CheckpointManager:
+    def __init__(self, cfg: CheckpointConfig, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 provenance: Provenance, scheduler: Any = None, scaler: Any = None,
+                 sampler: Stateful | None = None, extra: Stateful | None = None,
+                 sanity: SanitySpec | None = None, env: DistEnv | None = None) -> None:
+        self.cfg = cfg
+        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        self.sampler, self.extra, self.sanity, self.provenance = sampler, extra, sanity, provenance
+        self.env = env or init_distributed()
+        self.run_path = os.path.abspath(layout.run_dir(cfg.root, cfg.run_id))
+        self.last_load: LoadResult | None = None
+        self._code_version = provenance.code_version or code_version()
+        self._sender = events.EventSender() if cfg.emit_events else events.EventSender(api_url="")
+        self._saver: AsyncSaver | None = None
+        self._timings: list = []
+        self._hook = None
+        if not cfg.enabled:
+            return
+        if self.env.rank == 0:
+            os.makedirs(self.run_path, exist_ok=True)
+            commit.clean_stale_tmp(self.run_path)
+        dist.barrier(group=self.env.ckpt_group)
+        self._saver = AsyncSaver(rank=self.env.rank, ckpt_group=self.env.ckpt_group,
+                                 mode=cfg.async_mode, writer_threads=cfg.writer_threads)
+        # Snapshot consistency: the staged copy must exist before parameters change.
+        self._hook = optimizer.register_step_pre_hook(lambda *_a, **_k: self._saver.wait_for_staging())
+
+    # -- public API -------------------------------------------------------------------
+    def load(self) -> int:
+        """Resume from the newest committed checkpoint that verifies; returns its step (0: fresh)."""
+        if not self.cfg.enabled or self.cfg.resume == "never":
+            return 0
+        return self._load().step
+
+    def save(self, step: int, metrics: dict[str, float] | None = None, *, force: bool = False) -> bool:
+        """Save the state after ``step`` if the interval (or ``force``) says so. Returns True if started."""
+        if not self.cfg.enabled or (not force and step % self.cfg.interval):
+            return False
+        try:
+            self._save(step, dict(metrics or {}))
+            return True
+        except SaveError as e:
+            return self._handle_save_error(e)
+
+    def wait(self) -> None:
+        """Block until the in-flight save is committed."""
+        if self._saver is not None:
+            try:
+                self._saver.wait()
+            except SaveError as e:
+                self._handle_save_error(e)
+
+    def close(self) -> None:
+        """Finish the in-flight save, release buffers, flush events (bounded)."""
+        try:
+            if self._saver is not None:
+                try:
+                    self._saver.close()
+                except SaveError as e:
+                    self._handle_save_error(e)
+        finally:
+            if self._hook is not None:
+                self._hook.remove()
+                self._hook = None
+            self._saver = None
+            self._sender.close()
+
+    @property
+    def save_timings(self):
+        """Per-save timings (blocked, staged, persisted, committed seconds), kept after close()."""
+        return self._timings
+
+    # -- hooks --------------------------------------------------------------------------
+    def _handle_save_error(self, e: SaveError) -> bool:
+        if self.cfg.on_save_error == "raise":
+            raise e
+        # Training goes on; the previous committed checkpoint stays the resume point.
+        log.error("%s (on_save_error=continue: training goes on)", e)
+        return False
+
+    def _train_state(self, step: int) -> dict[str, Any]:
+        return train_state(step, scheduler=self.scheduler, scaler=self.scaler, sampler=self.sampler,
+                           extra=self.extra)
+
+    def _save(self, step: int, metrics: dict[str, float]) -> None:
+        probe_loss = self.sanity.probe_fn() if self.sanity is not None else None
+        # The LR a resumed run will use first; the sanity step checks the restored
+        # scheduler reproduces it.
+        next_lr = float(self.scheduler.get_last_lr()[0]) if self.scheduler is not None else None
+        state = build_save_state(model=self.model, optimizer=self.optimizer, rank=self.env.rank,
+                                 train=self._train_state(step))
+        req = SaveRequest(step=step, run_path=self.run_path,
+                          build_manifest=lambda files: self._manifest(step, files, metrics, probe_loss, next_lr),
+                          on_committed=self._on_committed)
+        self._timings.append(self._saver.submit(state, req))
+
+    def _manifest(self, step: int, files: dict[str, FileEntry], metrics: dict, probe_loss,
+                  next_lr: float | None) -> Manifest:
+        sanity: dict[str, Any] = {}
+        if self.sanity is not None:
+            sanity = {"builder": self.sanity.builder, "config": self.sanity.config,
+                      "probe": {"tokens": self.sanity.probe_tokens, "loss": probe_loss,
+                                "loss_hex": float(probe_loss).hex()},
+                      "next_lr": next_lr, "torch_threads": torch.get_num_threads()}
+        return Manifest(
+            run_id=self.cfg.run_id, step=step, world_size=self.env.world_size, files=files,
+            training={k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()},
+            provenance={"config_hash": self.provenance.config_hash,
+                        "data_fingerprint": self.provenance.data_fingerprint,
+                        "code_version": self._code_version, "torch_version": torch.__version__,
+                        "config": self.provenance.config},
+            sanity=sanity,
+            state={"rng_ranks": self.env.world_size, "has_scheduler": self.scheduler is not None,
+                   "has_scaler": self.scaler is not None, "async_mode": self.cfg.async_mode},
+        )
+
+    def _on_committed(self, manifest: Manifest, final: str) -> None:
+        ev_payload = {"run_id": manifest.run_id, "step": manifest.step, "uri": final,
+                      "bytes": manifest.total_bytes, "world_size": manifest.world_size,
+                      "root": os.path.abspath(self.cfg.root)}
+        record = dict(ev_payload, event=events.COMMITTED,
+                      event_id=events.event_id(manifest.run_id, manifest.step, events.COMMITTED),
+                      committed_at=time.time())
+        events.append_outbox(self.run_path, record)
+        self._sender.send(events.make_event(events.COMMITTED, manifest.run_id, manifest.step, ev_payload))
+
+    def _load(self) -> LoadResult:
+        env = self.env
+        rep = find_resume_point(self.run_path, rank=env.rank, world=env.world_size, group=env.ckpt_group)
+        for path, why in rep.skipped:
+            if env.rank == 0:
+                log.warning("resume: skipping %s: %s", path, why)
+        if rep.chosen is None:
+            if self.cfg.resume == "required" or rep.skipped:
+                # Checkpoints exist but none verifies: starting over silently would
+                # throw away days of training; make the operator decide.
+                raise no_checkpoint_error(self.run_path, rep.skipped)
+            self.last_load = LoadResult(0, None)
+            return self.last_load
+        mism = check_provenance(rep.chosen.manifest, rep.chosen.path,
+                                config_hash=self.provenance.config_hash,
+                                data_fingerprint=self.provenance.data_fingerprint,
+                                allow_mismatch=self.cfg.allow_mismatch)
+        for m in mism:
+            log.warning("resume despite mismatch (allow_mismatch): %s", m)
+        self.load_checkpoint_dir(rep.chosen.path, rep.chosen.manifest)
+        if env.rank == 0:
+            if rep.latest_was != rep.chosen.step:
+                log.warning("resume: 'latest' named %s; repaired to step %d", rep.latest_was, rep.chosen.step)
+                commit.write_latest(self.run_path, rep.chosen.step)
+            log.info("resumed from %s (step %d)", rep.chosen.path, rep.chosen.step)
+        self.last_load = LoadResult(rep.chosen.step, rep.chosen.path, rep.skipped, mism)
+        return self.last_load
+
+    def load_checkpoint_dir(self, path: str, manifest: Manifest) -> None:
+        """Load one *verified* checkpoint dir into the live objects (any world size)."""
+        load_verified(path, manifest, env=self.env, model=self.model, optimizer=self.optimizer,
+                      scheduler=self.scheduler, scaler=self.scaler, sampler=self.sampler, extra=self.extra)

@@ -1,0 +1,99 @@
+"""The commit protocol on a local (hot) tier, and reading what it left behind.
+
+Call order for one checkpoint of step N (coordinator = rank 0):
+
+1. all ranks   DCP writes shards and ``.metadata`` into ``step_N.tmp/``; files fsynced
+2. all ranks   each hashes the files it wrote; gathered to the coordinator
+3. coordinator ``manifest.json`` written into ``step_N.tmp/`` and fsynced
+4. coordinator rename ``step_N.tmp`` -> ``step_N``, fsync the run dir   <- commit point
+5. coordinator ``latest`` replaced atomically (write, fsync, rename, fsync)
+6. coordinator outbox line appended (fsync), then the event is sent in the background
+
+A crash before 4 leaves only a ``.tmp`` dir, never trusted and removed at the next
+start. A crash between 4 and 5 leaves a committed dir newer than ``latest``; resume
+takes the newest committed checkpoint that verifies, so nothing is lost, and it
+repairs ``latest``. ``latest`` therefore always names a complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from trainer import faults, layout
+from trainer.fsutil import fsync_dir, remove_tree, rename_durable, replace_atomic, write_durable
+from trainer.manifest import Manifest
+
+log = logging.getLogger(__name__)
+
+
+def commit_checkpoint(run_path: str, manifest: Manifest) -> str:
+    """Steps 3-5 above for a ``.tmp`` dir whose files are all written. Returns the final dir."""
+    step = manifest.step
+    tmp = os.path.join(run_path, layout.tmp_name(step))
+    final = os.path.join(run_path, layout.step_name(step))
+    write_durable(os.path.join(tmp, layout.MANIFEST), manifest.to_json())
+    fsync_dir(tmp)
+    faults.maybe_crash("after_manifest", step)
+    if os.path.exists(final):
+        # Only possible if a previous attempt committed this very step and training
+        # then re-ran it (resume from an older checkpoint). The committed dir is
+        # immutable: keep it and drop the duplicate rather than replace a directory
+        # a lifecycle flow may be reading.
+        log.warning("%s already committed; discarding the duplicate save in %s", final, tmp)
+        remove_tree(tmp)
+    else:
+        rename_durable(tmp, final)
+    faults.maybe_crash("after_rename", step)
+    write_latest(run_path, step)
+    faults.maybe_crash("after_latest", step)
+    return final
+
+
+def write_latest(run_path: str, step: int) -> None:
+    replace_atomic(os.path.join(run_path, layout.LATEST), (layout.step_name(step) + "\n").encode())
+
+
+def read_latest(run_path: str) -> int | None:
+    """The step ``latest`` names, or None if absent or unreadable (never trusted blindly)."""
+    try:
+        with open(os.path.join(run_path, layout.LATEST), encoding="utf-8") as f:
+            return layout.parse_step(f.read(64).strip())
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def committed_steps(run_path: str) -> list[int]:
+    """Steps of committed (renamed) checkpoint dirs, newest first."""
+    try:
+        names = os.listdir(run_path)
+    except FileNotFoundError:
+        return []
+    steps = [s for n in names if (s := layout.parse_step(n)) is not None
+             and os.path.isdir(os.path.join(run_path, n))]
+    return sorted(steps, reverse=True)
+
+
+def is_quarantined(run_path: str, step: int) -> bool:
+    """The lifecycle's verify stage found this checkpoint bad: never resume from it."""
+    return os.path.exists(layout.quarantine_record(run_path, step))
+
+
+def clean_stale_tmp(run_path: str) -> list[str]:
+    """Remove ``step_*.tmp`` dirs left by crashed saves. Call before any save starts."""
+    removed = []
+    try:
+        names = os.listdir(run_path)
+    except FileNotFoundError:
+        return removed
+    for n in names:
+        if layout.parse_tmp_step(n) is not None:
+            path = os.path.join(run_path, n)
+            try:
+                remove_tree(path)
+                removed.append(path)
+            except OSError as e:  # leave it; it is never trusted, retry next start
+                log.warning("could not remove stale %s: %s", path, e)
+    if removed:
+        log.info("removed %d stale .tmp checkpoint dir(s): %s", len(removed), removed)
+    return removed

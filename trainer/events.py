@@ -1,0 +1,142 @@
+"""The commit event: an outbox line first, then a best-effort POST to Prefect.
+
+The outbox (``<run>/_outbox.jsonl``, one fsynced line per commit) is the durable
+record; the event is a fast path. Prefect's reconcile flow reads the outbox, so an
+event lost while the server was down is caught up later.
+
+Sending must never stall training or process exit: a daemon thread POSTs with a
+short timeout and a few retries, and ``close()`` waits at most ``exit_budget_s``.
+Prefect itself is not imported (it costs seconds and starts background services);
+the event goes to ``POST {PREFECT_API_URL}/events`` with a deterministic id
+(uuid5 of run/step/event), which the server stores once however often it is sent.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from datetime import datetime, timezone
+
+from trainer import layout
+from trainer.fsutil import append_durable
+
+log = logging.getLogger(__name__)
+
+COMMITTED = "ckptflow.checkpoint.committed"
+_NS = uuid.UUID("6b1f3f1e-3c55-4a39-9a8e-c0ffee0f10e0")  # fixed: ids must be stable across versions
+
+
+def event_id(run_id: str, step: int, event: str) -> str:
+    return str(uuid.uuid5(_NS, f"{event}:{run_id}:{step}"))
+
+
+def resource_id(run_id: str, step: int) -> str:
+    return f"ckptflow.checkpoint.{run_id}.{step}"
+
+
+def make_event(event: str, run_id: str, step: int, payload: dict, *, occurred: float | None = None) -> dict:
+    """A Prefect event document (the shape ``/api/events`` accepts)."""
+    ts = datetime.fromtimestamp(occurred or time.time(), tz=timezone.utc).isoformat()
+    return {
+        "id": event_id(run_id, step, event),
+        "occurred": ts,
+        "event": event,
+        "resource": {
+            "prefect.resource.id": resource_id(run_id, step),
+            "prefect.resource.name": f"{run_id} step {step}",
+            "ckptflow.run_id": run_id,
+            "ckptflow.step": str(step),
+        },
+        "related": [],
+        "payload": payload,
+    }
+
+
+def append_outbox(run_path: str, record: dict) -> None:
+    append_durable(os.path.join(run_path, layout.OUTBOX), json.dumps(record, sort_keys=True))
+
+
+def read_outbox(run_path: str) -> list[dict]:
+    """Every complete outbox line (a torn last line from a crash is skipped)."""
+    out = []
+    try:
+        with open(os.path.join(run_path, layout.OUTBOX), encoding="utf-8") as f:
+            for line in f:
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def post_events(api_url: str, events: list[dict], *, timeout_s: float, api_key: str | None = None) -> None:
+    req = urllib.request.Request(
+        api_url.rstrip("/") + "/events", data=json.dumps(events).encode(), method="POST",
+        headers={"Content-Type": "application/json",
+                 **({"Authorization": f"Bearer {api_key}"} if api_key else {})},
+    )
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:  # noqa: S310 - URL from config
+        if resp.status >= 300:
+            raise urllib.error.HTTPError(req.full_url, resp.status, "unexpected status", resp.headers, None)
+
+
+class EventSender:
+    """Background sender with bounded retries; ``send`` never blocks the caller."""
+
+    def __init__(self, api_url: str | None = None, *, attempt_timeout_s: float = 0.5,
+                 attempts: int = 3, exit_budget_s: float = 1.0) -> None:
+        self.api_url = api_url if api_url is not None else os.environ.get("PREFECT_API_URL")
+        self.api_key = os.environ.get("PREFECT_API_KEY")
+        self.attempt_timeout_s = attempt_timeout_s
+        self.attempts = attempts
+        self.exit_budget_s = exit_budget_s
+        self.sent = 0
+        self.failed = 0
+        self._q: queue.Queue[dict | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.api_url)
+
+    def send(self, event: dict) -> None:
+        if not self.enabled:
+            return
+        if self._thread is None:
+            # daemon: a hung server can never keep the process alive
+            self._thread = threading.Thread(target=self._run, name="ckptflow-events", daemon=True)
+            self._thread.start()
+        self._q.put(event)
+
+    def _run(self) -> None:
+        while (ev := self._q.get()) is not None:
+            for i in range(self.attempts):
+                try:
+                    post_events(self.api_url, [ev], timeout_s=self.attempt_timeout_s, api_key=self.api_key)
+                    self.sent += 1
+                    break
+                except Exception as e:  # any failure: retry, then leave it to the outbox
+                    if i == self.attempts - 1:
+                        self.failed += 1
+                        # never log the URL's query or credentials; the host is enough
+                        log.warning("event %s not delivered (%s); the outbox keeps it for reconcile",
+                                    ev["event"], type(e).__name__)
+                    else:
+                        time.sleep(0.05 * (2**i))
+
+    def close(self) -> None:
+        """Give queued events up to ``exit_budget_s`` in total, then abandon them."""
+        if self._thread is None:
+            return
+        self._q.put(None)
+        self._thread.join(timeout=self.exit_budget_s)
+        self._thread = None

@@ -1,0 +1,64 @@
+"""Deliberate crashes at named phases, for the commit-protocol tests and ``ckptflow chaos``.
+
+Set ``CKPTFLOW_FAULT`` to ``<phase>[@<step>][:rank<r>][:attempt<a>]`` (several specs
+separated by commas) and the process SIGKILLs itself when it reaches that phase —
+the same signal a dead node or the OOM killer delivers, so nothing gets to clean up.
+Without the variable every call is a dictionary lookup and nothing else.
+
+Trainer phases, in commit order: ``step`` (end of a training step), ``shards`` (this
+rank's DCP files written, others maybe not), ``after_shards`` (all files written,
+before the manifest), ``after_manifest`` (manifest durable in the .tmp dir, before
+the rename), ``after_rename`` (committed dir, before ``latest``), ``after_latest``
+(before the outbox line and event). Lifecycle stages add their own phase names.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+
+ENV = "CKPTFLOW_FAULT"
+
+
+@dataclass(frozen=True, slots=True)
+class FaultSpec:
+    phase: str
+    step: int | None = None
+    rank: int | None = None
+    attempt: int | None = 0  # by default only the first attempt crashes, so a restart heals
+
+    def matches(self, phase: str, step: int | None, rank: int, attempt: int) -> bool:
+        return (self.phase == phase
+                and (self.step is None or self.step == step)
+                and (self.rank is None or self.rank == rank)
+                and (self.attempt is None or self.attempt == attempt))
+
+
+def parse(text: str) -> list[FaultSpec]:
+    specs = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        head, *quals = item.split(":")
+        phase, _, step = head.partition("@")
+        rank, attempt = None, 0
+        for q in quals:
+            if q.startswith("rank"):
+                rank = int(q[4:])
+            elif q.startswith("attempt"):
+                attempt = None if q[7:] == "*" else int(q[7:])
+            else:
+                raise ValueError(f"{ENV}: unknown qualifier {q!r} in {item!r}")
+        specs.append(FaultSpec(phase, int(step) if step else None, rank, attempt))
+    return specs
+
+
+def maybe_crash(phase: str, step: int | None = None) -> None:
+    """SIGKILL this process if ``CKPTFLOW_FAULT`` names this phase (and step/rank/attempt)."""
+    text = os.environ.get(ENV)
+    if not text:
+        return
+    rank = int(os.environ.get("RANK", 0))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    for spec in parse(text):
+        if spec.matches(phase, step, rank, attempt):
+            os.kill(os.getpid(), signal.SIGKILL)

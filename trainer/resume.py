@@ -1,0 +1,101 @@
+"""Choosing the checkpoint to resume from: newest committed one that verifies.
+
+Order of candidates: every committed ``step_*`` dir, newest first. ``latest`` is
+read and compared but not trusted alone — a crash between the rename and the
+pointer update leaves a newer committed dir, and an edited or stale ``latest``
+may name a missing step. Checkpoints the lifecycle quarantined are skipped.
+
+Each candidate is verified against its manifest *before* DCP reads anything (its
+``.metadata`` is a pickle): all ranks hash a share of the files in parallel and
+agree on the result over the checkpoint group. A damaged candidate is reported
+and the next older one tried.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from trainer import commit, layout
+from trainer.errors import CheckpointNotFoundError, MismatchError
+from trainer.manifest import Manifest
+from trainer.verify import share_of_files, verify_checkpoint
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    step: int
+    path: str
+    manifest: Manifest
+
+
+@dataclass(slots=True)
+class ResumeReport:
+    chosen: Candidate | None
+    skipped: list[tuple[str, str]]
+    """(path, why) for each newer checkpoint passed over."""
+    latest_was: int | None
+
+
+def _verify_together(path: str, rank: int, world: int, group) -> tuple[Manifest | None, list[str]]:
+    """All ranks verify one checkpoint, each hashing its share; returns agreed problems."""
+    whole = verify_checkpoint(path, only=[])  # manifest only: cheap, every rank reads it
+    problems: list[str] = [str(p) for p in whole.problems]
+    if whole.manifest is not None:
+        mine = share_of_files(whole.manifest, rank, world)
+        problems += [str(p) for p in verify_checkpoint(path, only=mine).problems]
+    if world > 1:
+        allp: list = [None] * world
+        dist.all_gather_object(allp, problems, group=group)
+        problems = sorted({p for ps in allp for p in ps})
+    return (whole.manifest if not problems else None), problems
+
+
+def find_resume_point(run_path: str, *, rank: int = 0, world: int = 1, group=None) -> ResumeReport:
+    latest = commit.read_latest(run_path)
+    steps = commit.committed_steps(run_path)
+    skipped: list[tuple[str, str]] = []
+    if latest is not None and latest not in steps:
+        skipped.append((os.path.join(run_path, layout.step_name(latest)),
+                        "named by 'latest' but missing"))
+    for step in steps:
+        path = os.path.join(run_path, layout.step_name(step))
+        if commit.is_quarantined(run_path, step):
+            skipped.append((path, "quarantined by the lifecycle's verify stage"))
+            continue
+        manifest, problems = _verify_together(path, rank, world, group)
+        if manifest is None:
+            skipped.append((path, "; ".join(problems)))
+            continue
+        return ResumeReport(Candidate(step, path, manifest), skipped, latest)
+    return ResumeReport(None, skipped, latest)
+
+
+def check_provenance(manifest: Manifest, path: str, *, config_hash: str, data_fingerprint: str,
+                     allow_mismatch: bool) -> list[str]:
+    """Refuse to resume a different experiment silently. Returns warnings if overridden."""
+    saved = manifest.provenance
+    diffs = []
+    if saved.get("config_hash") != config_hash:
+        diffs.append(f"config hash {saved.get('config_hash')!r} in the checkpoint vs {config_hash!r} now")
+    if saved.get("data_fingerprint") != data_fingerprint:
+        diffs.append(f"data fingerprint {saved.get('data_fingerprint')!r} in the checkpoint vs "
+                     f"{data_fingerprint!r} now")
+    if diffs and not allow_mismatch:
+        raise MismatchError(
+            f"refusing to resume from {path}: " + "; ".join(diffs) + ". This job's config or data "
+            "differs from the one that saved it. Use the original config, a new run id, or pass "
+            "--allow-mismatch (CheckpointConfig.allow_mismatch=True) to resume anyway")
+    return diffs
+
+
+def no_checkpoint_error(run_path: str, skipped: list[tuple[str, str]]) -> CheckpointNotFoundError:
+    detail = "; ".join(f"{p}: {w}" for p, w in skipped)
+    return CheckpointNotFoundError(
+        f"no committed checkpoint under {run_path} verifies ({detail}). Restore one from the warm "
+        "or cold tier ('ckptflow restore RUN --to DIR'), or start fresh with a new run id")

@@ -1,0 +1,237 @@
+"""Asynchronous, sharded saves with one in flight, ending in an atomic commit.
+
+Timeline of one save (``AsyncSaver.submit``), per rank::
+
+  main thread   stage.submit ──(returns in ~0.1 ms)──> training continues
+  stager        copy live tensors into reused CPU buffers   (must end before the
+                                                            next optimizer.step)
+  DCP thread    plan (ckpt group) -> write own shards -> coordinator writes .metadata
+  commit thread hash own files -> gather to rank 0 -> rank 0 commits (manifest,
+                rename, latest, outbox, event) -> broadcast the outcome
+
+Why this mode: measured on this machine (docs/benchmarks.md) asynchronous staging
+into a reused ``DefaultStager`` blocks the training loop for ~0.1 ms per save,
+against a full memcpy of the state for synchronous staging and the whole write
+for ``dcp.save``. PROCESS mode would move pickling off the GIL but needs /dev/shm
+of 1-2x the checkpoint and ~10 s on its first call; it is selectable, not default.
+
+All checkpoint collectives run on a dedicated process group and only from the
+DCP/commit threads, one save at a time, so every rank issues them in the same
+order and they never interleave with training collectives.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+
+from trainer import faults, layout
+from trainer.checksum import hash_file
+from trainer.errors import SaveError
+from trainer.manifest import FileEntry, Manifest
+
+log = logging.getLogger(__name__)
+
+ASYNC_MODES = ("async_staging", "thread", "process", "sync")
+
+
+class _RecordingWriter(FileSystemWriter):
+    """FileSystemWriter that remembers which files this rank wrote (for hashing)."""
+
+    def __init__(self, path: str, step: int, **kw: Any) -> None:
+        super().__init__(path, **kw)
+        self.step = step
+        self.written: list[str] = []
+
+    def write_data(self, plan, planner):  # noqa: ANN001 - DCP's signature
+        fut = super().write_data(plan, planner)
+        # FileSystemWriter writes synchronously, so the future is already done here.
+        results = fut.wait()
+        self.written = sorted({r.storage_data.relative_path for r in results})
+        faults.maybe_crash("shards", self.step)
+        return fut
+
+
+@dataclass
+class SaveRequest:
+    step: int
+    run_path: str
+    build_manifest: Callable[[dict[str, FileEntry]], Manifest]
+    """Called on rank 0 with every rank's file entries; returns the manifest to commit."""
+    on_committed: Callable[[Manifest, str], None] | None = None
+    """Called on rank 0 after the commit (outbox + event), still in the background."""
+
+
+@dataclass
+class SaveTiming:
+    step: int
+    blocked_s: float = 0.0
+    staged_s: float = 0.0
+    persisted_s: float = 0.0
+    committed_s: float = 0.0
+    bytes: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class AsyncSaver:
+    """One rank's save engine. Public calls come from the training thread only."""
+
+    def __init__(self, *, rank: int, ckpt_group: "dist.ProcessGroup", mode: str = "async_staging",
+                 writer_threads: int = 1) -> None:
+        if mode not in ASYNC_MODES:
+            raise ValueError(f"async mode {mode!r} is unknown; choose one of {ASYNC_MODES}")
+        self.rank = rank
+        self.group = ckpt_group
+        self.mode = mode
+        self.writer_threads = writer_threads
+        # Reused across saves: its CPU buffers are allocated once, then copied into.
+        self._stager = DefaultStager(StagingOptions(
+            use_pinned_memory=False, use_shared_memory=(mode == "process"),
+            use_async_staging=(mode == "async_staging"), use_non_blocking_copy=False,
+        )) if mode != "sync" else None
+        self._staging: Future | None = None
+        self._done: Future | None = None
+        self.timings: list[SaveTiming] = []
+
+    # -- called by the manager on the training thread -------------------------------
+    def submit(self, state: dict[str, Any], req: SaveRequest) -> SaveTiming:
+        """Start saving ``state``; returns once training may continue."""
+        self.wait()  # one save in flight: the previous must be committed (or failed)
+        timing = SaveTiming(req.step)
+        tmp = os.path.join(req.run_path, layout.tmp_name(req.step))
+        os.makedirs(tmp, exist_ok=True)
+        writer = _RecordingWriter(tmp, req.step, thread_count=self.writer_threads, sync_files=True)
+        t0 = time.perf_counter()
+        if self.mode == "sync":
+            dcp.save(state, storage_writer=writer, process_group=self.group)
+            timing.blocked_s = timing.staged_s = time.perf_counter() - t0
+            done: Future = Future()
+            done.set_result(None)
+            upload = done
+        else:
+            resp = dcp.async_save(
+                state, storage_writer=writer, process_group=self.group, async_stager=self._stager,
+                async_checkpointer_type=(AsyncCheckpointerType.PROCESS if self.mode == "process"
+                                         else AsyncCheckpointerType.THREAD),
+            )
+            if isinstance(resp, AsyncSaveResponse):
+                self._staging, upload = resp.staging_completion, resp.upload_completion
+                self._staging.add_done_callback(
+                    lambda _f: setattr(timing, "staged_s", time.perf_counter() - t0))
+            else:  # staging finished synchronously inside async_save
+                upload = resp
+                timing.staged_s = time.perf_counter() - t0
+            timing.blocked_s = time.perf_counter() - t0
+        self._done = Future()
+        threading.Thread(target=self._commit, args=(upload, writer, req, timing, t0, self._done),
+                         name=f"ckptflow-commit-{req.step}", daemon=True).start()
+        self.timings.append(timing)
+        return timing
+
+    def wait_for_staging(self) -> None:
+        """Block until the staged copy exists (call before mutating model/optimizer state)."""
+        if self._staging is not None:
+            try:
+                self._staging.result()
+            finally:
+                self._staging = None
+
+    def wait(self) -> None:
+        """Block until the in-flight save is committed; raise ``SaveError`` if it failed."""
+        self.wait_for_staging()
+        if self._done is not None:
+            done, self._done = self._done, None
+            done.result()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+
+    # -- background ------------------------------------------------------------------
+    def _commit(self, upload: Future, writer: _RecordingWriter, req: SaveRequest,
+                timing: SaveTiming, t0: float, done: Future) -> None:
+        try:
+            err: BaseException | None = None
+            try:
+                upload.result()
+            except BaseException as e:  # DCP's CheckpointException derives from BaseException
+                err = e
+            timing.persisted_s = time.perf_counter() - t0
+            # Every rank reaches the gather, failed or not, so no rank waits forever.
+            entries: dict[str, FileEntry] = {}
+            if err is None:
+                names = list(writer.written)
+                if self.rank == 0:
+                    names.append(layout.DCP_METADATA)
+                    faults.maybe_crash("after_shards", req.step)
+                for n in names:
+                    digest, size = hash_file(os.path.join(writer.path, n))
+                    entries[n] = FileEntry(size, digest)
+            gathered: list | None = [None] * dist.get_world_size(self.group) if self.rank == 0 else None
+            dist.gather_object((entries, repr(err) if err else None), gathered, dst=0, group=self.group)
+            outcome: list = [None]
+            if self.rank == 0:
+                outcome[0] = self._coordinate(gathered, req)
+            dist.broadcast_object_list(outcome, src=0, group=self.group)
+            timing.committed_s = time.perf_counter() - t0
+            status, detail = outcome[0]
+            if status != "ok":
+                raise SaveError(f"checkpoint of step {req.step} in {req.run_path} was not committed: "
+                                f"{detail}; earlier checkpoints are untouched")
+            timing.bytes = int(detail)
+            done.set_result(timing)
+        except BaseException as e:  # surface on the training thread at the next wait()
+            if not isinstance(e, SaveError):
+                e = SaveError(f"checkpoint of step {req.step} in {req.run_path} failed: {e!r}; "
+                              "earlier checkpoints are untouched")
+            done.set_exception(e)
+
+    def _coordinate(self, gathered: list, req: SaveRequest) -> tuple[str, Any]:
+        """Rank 0: build the manifest from every rank's entries and commit."""
+        from trainer.commit import commit_checkpoint  # local: keeps import graph flat
+
+        errors = [f"rank {r}: {e}" for r, (_, e) in enumerate(gathered) if e]
+        if errors:
+            self._discard_tmp(req)
+            return "failed", "; ".join(errors)
+        files: dict[str, FileEntry] = {}
+        for ents, _ in gathered:
+            files.update(ents)
+        try:
+            manifest = req.build_manifest(files)
+            final = commit_checkpoint(req.run_path, manifest)
+        except Exception as e:
+            self._discard_tmp(req)
+            return "failed", f"commit: {e!r}"
+        if req.on_committed is not None:
+            try:
+                req.on_committed(manifest, final)
+            except Exception as e:  # committed is committed; reconcile finds it on storage
+                log.warning("step %d committed but its outbox/event failed: %r", req.step, e)
+        return "ok", manifest.total_bytes
+
+    @staticmethod
+    def _discard_tmp(req: SaveRequest) -> None:
+        # Every rank has finished writing (they all reached the gather): the partial
+        # dir can go now instead of lingering until the next start-up.
+        from trainer.fsutil import remove_tree
+
+        try:
+            remove_tree(os.path.join(req.run_path, layout.tmp_name(req.step)))
+        except OSError as e:
+            log.warning("could not remove the failed save's .tmp dir: %s", e)
