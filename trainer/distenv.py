@@ -72,6 +72,19 @@ def init_distributed(*, timeout_s: float = 120.0, ckpt_timeout_s: float = 600.0,
     return DistEnv(rank, world, local_rank, local_world, attempt, ckpt_group)
 
 
-def shutdown() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def shutdown(env: DistEnv | None = None) -> None:
+    """Tear down in a fixed order once every rank is done.
+
+    Without the barrier a rank that finished first destroyed its gloo pairs while a
+    peer was still tearing down, and gloo's worker threads aborted the process
+    ("terminate called without an active exception") after all work had succeeded.
+    """
+    if not dist.is_initialized():
+        return
+    try:
+        dist.barrier()
+    except Exception:  # a peer is already gone: nothing left to coordinate
+        pass
+    if env is not None:
+        dist.destroy_process_group(env.ckpt_group)
+    dist.destroy_process_group()

@@ -1,11 +1,13 @@
 """Deliberate crashes at named phases, for the commit-protocol tests and ``ckptflow chaos``.
 
-Set ``CKPTFLOW_FAULT`` to ``<phase>[@<step>][:rank<r>][:attempt<a>]`` (several specs
-separated by commas) and the process SIGKILLs itself when it reaches that phase —
-the same signal a dead node or the OOM killer delivers, so nothing gets to clean up.
-Without the variable every call is a dictionary lookup and nothing else.
+Set ``CKPTFLOW_FAULT`` to ``<phase>[@<step>][:rank<r>][:attempt<a>|attempt*][:sleep<s>]``
+(several specs separated by commas) and the process SIGKILLs itself when it reaches
+that phase — the same signal a dead node or the OOM killer delivers, so nothing gets
+to clean up. With ``sleep<s>`` it sleeps ``s`` seconds there instead (a slow disk or
+network). Without the variable every call is a dictionary lookup and nothing else.
 
-Trainer phases, in commit order: ``step`` (end of a training step), ``shards`` (this
+Trainer phases, in commit order: ``step`` (end of a training step), ``write`` (this
+rank's DCP writer is about to write, in the background), ``shards`` (this
 rank's DCP files written, others maybe not), ``after_shards`` (all files written,
 before the manifest), ``after_manifest`` (manifest durable in the .tmp dir, before
 the rename), ``after_rename`` (committed dir, before ``latest``), ``after_latest``
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass
 
 ENV = "CKPTFLOW_FAULT"
@@ -27,6 +30,7 @@ class FaultSpec:
     step: int | None = None
     rank: int | None = None
     attempt: int | None = 0  # by default only the first attempt crashes, so a restart heals
+    sleep: float | None = None  # sleep instead of crashing
 
     def matches(self, phase: str, step: int | None, rank: int, attempt: int) -> bool:
         return (self.phase == phase
@@ -40,15 +44,17 @@ def parse(text: str) -> list[FaultSpec]:
     for item in filter(None, (s.strip() for s in text.split(","))):
         head, *quals = item.split(":")
         phase, _, step = head.partition("@")
-        rank, attempt = None, 0
+        rank, attempt, sleep = None, 0, None
         for q in quals:
             if q.startswith("rank"):
                 rank = int(q[4:])
             elif q.startswith("attempt"):
                 attempt = None if q[7:] == "*" else int(q[7:])
+            elif q.startswith("sleep"):
+                sleep = float(q[5:])
             else:
                 raise ValueError(f"{ENV}: unknown qualifier {q!r} in {item!r}")
-        specs.append(FaultSpec(phase, int(step) if step else None, rank, attempt))
+        specs.append(FaultSpec(phase, int(step) if step else None, rank, attempt, sleep))
     return specs
 
 
@@ -61,4 +67,7 @@ def maybe_crash(phase: str, step: int | None = None) -> None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     for spec in parse(text):
         if spec.matches(phase, step, rank, attempt):
-            os.kill(os.getpid(), signal.SIGKILL)
+            if spec.sleep is not None:
+                time.sleep(spec.sleep)
+            else:
+                os.kill(os.getpid(), signal.SIGKILL)

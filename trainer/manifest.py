@@ -23,7 +23,7 @@ from typing import Any
 
 from trainer import layout
 from trainer.checksum import ALGORITHM
-from trainer.errors import IntegrityError, ManifestError
+from trainer.errors import IntegrityError, ManifestError, UnsafePathError
 
 FORMAT = "ckptflow.manifest"
 FORMAT_VERSION = 1
@@ -108,7 +108,10 @@ class Manifest:
         try:
             files = {}
             for name, e in d["files"].items():
-                layout.check_member_name(name)
+                try:
+                    layout.check_member_name(name)
+                except UnsafePathError as err:
+                    raise UnsafePathError(f"{source}: {err}", path=source) from None
                 size, checksum = e["size"], e["checksum"]
                 if not isinstance(size, int) or size < 0 or not isinstance(checksum, str):
                     raise ValueError(f"bad entry for {name!r}")

@@ -51,9 +51,11 @@ class ModelConfig:
 
     @classmethod
     def preset(cls, name: str) -> "ModelConfig":
-        """Named sizes: ``tiny`` for tests, ``small`` (~13M params) the default job."""
+        """Named sizes: ``tiny`` (0.1M) for tests, ``mini`` (2.2M) for the demo, ``small``
+        (~14M params) the default job, ``medium`` (~70M) for benchmarks."""
         presets = {
             "tiny": cls(vocab_size=256, dim=64, n_layers=2, n_heads=4, seq_len=32),
+            "mini": cls(vocab_size=1024, dim=192, n_layers=4, n_heads=6, seq_len=64),
             "small": cls(),
             "medium": cls(vocab_size=8192, dim=768, n_layers=8, n_heads=12, seq_len=256),
         }

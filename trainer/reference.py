@@ -30,7 +30,7 @@ class TrainConfig:
 
     model: dict = field(default_factory=lambda: ModelConfig.preset("small").to_dict())
     global_batch: int = 8
-    lr: float = 3e-3
+    lr: float = 1e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
     schedule_steps: int = 1000

@@ -55,6 +55,7 @@ class _RecordingWriter(FileSystemWriter):
         self.written: list[str] = []
 
     def write_data(self, plan, planner):  # noqa: ANN001 - DCP's signature
+        faults.maybe_crash("write", self.step)
         fut = super().write_data(plan, planner)
         # FileSystemWriter writes synchronously, so the future is already done here.
         results = fut.wait()

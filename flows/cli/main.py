@@ -14,7 +14,7 @@ import sys
 
 import typer
 
-from flows.cli import cmd_verify
+from flows.cli import cmd_demo, cmd_verify
 
 app = typer.Typer(
     name="ckptflow",
@@ -32,6 +32,7 @@ def _root() -> None:
 
 
 # Registration order is the order in --help.
+cmd_demo.register(app)
 cmd_verify.register(app)
 
 

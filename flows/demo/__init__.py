@@ -1,0 +1,1 @@
+"""The one-command demo (``ckptflow demo``): real processes, started and stopped by PID."""
