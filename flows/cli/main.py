@@ -15,6 +15,7 @@ import sys
 import typer
 
 from flows.cli import cmd_demo, cmd_verify
+from flows.cli import cmd_codec
 
 app = typer.Typer(
     name="ckptflow",
@@ -34,6 +35,7 @@ def _root() -> None:
 # Registration order is the order in --help.
 cmd_demo.register(app)
 cmd_verify.register(app)
+cmd_codec.register(app)
 
 
 def main() -> None:

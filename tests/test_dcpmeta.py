@@ -1,0 +1,87 @@
+"""The restricted unpickler reads real DCP metadata and refuses everything else."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import warnings
+
+import pytest
+import torch
+
+from trainer.dcpmeta import loads_dcp_metadata, read_dcp_metadata
+from trainer.errors import IntegrityError
+
+
+@pytest.fixture(scope="module")
+def dcp_dir(tmp_path_factory):
+    import torch.distributed.checkpoint as dcp
+
+    d = tmp_path_factory.mktemp("dcp")
+    sd = {"w": torch.randn(4, 3), "h": torch.ones(2, dtype=torch.bfloat16),
+          "step": torch.tensor(7), "extra": {"lr": 0.1, "name": "x"}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(sd, checkpoint_id=str(d), no_dist=True)
+    return d
+
+
+def test_reads_real_metadata_by_dir_or_file(dcp_dir):
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    for p in (dcp_dir, dcp_dir / ".metadata"):
+        md = read_dcp_metadata(p)
+        assert md.state_dict_metadata["w"].properties.dtype == torch.float32
+        assert isinstance(md.state_dict_metadata["h"], TensorStorageMetadata)
+        assert isinstance(md.state_dict_metadata["extra.lr"], BytesStorageMetadata)
+        assert len(md.storage_data) == 5
+
+
+class _System:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_os_system_reduce_is_refused_and_not_run(tmp_path):
+    marker = tmp_path / "pwned"
+    p = tmp_path / ".metadata"
+    p.write_bytes(pickle.dumps(_System(str(marker))))
+    with pytest.raises(IntegrityError) as ei:
+        read_dcp_metadata(p)
+    assert "system" in str(ei.value) and str(p) in str(ei.value)
+    assert ei.value.path == str(p)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("payload", [
+    pickle.dumps(eval),  # builtins.eval by reference
+    b"cbuiltins\ngetattr\n(cos\nS'system'\ntR.",  # getattr(os, "system")
+    b"ctorch\nload\n(S'x'\ntR.",  # a torch function, not a dtype
+    pickle.dumps({"a": 1}),  # harmless but not Metadata
+    b"\x80\x04garbage",
+    b"",
+])
+def test_refuses_non_metadata(payload):
+    with pytest.raises(IntegrityError, match="src.metadata"):
+        loads_dcp_metadata(payload, source="src.metadata")
+
+
+def test_persistent_ids_are_refused():
+    class P(pickle.Pickler):
+        def persistent_id(self, obj):
+            return "storage" if isinstance(obj, list) else None
+
+    import io
+
+    buf = io.BytesIO()
+    P(buf, protocol=2).dump({"x": [1]})
+    with pytest.raises(IntegrityError, match="persistent"):
+        loads_dcp_metadata(buf.getvalue(), source="m")
+
+
+def test_missing_file_is_file_not_found(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        read_dcp_metadata(tmp_path)
