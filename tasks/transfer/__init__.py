@@ -1,0 +1,23 @@
+"""Storage actions that move a checkpoint between tiers, each idempotent and verified.
+
+* :func:`compress` — the compress stage: stage a checkpoint in a file-system tier's stored form
+* :func:`promote`  — onto a file-system tier (hot -> warm), commit by rename
+* :func:`archive`  — onto the S3 tier (cold), commit by marker, resumable, no double uploads
+* :func:`fetch`    — one stored checkpoint into a local DCP dir, every byte checked
+* :func:`restore`  — the newest checkpoint that verifies, hot -> warm -> cold
+
+Plain typed functions (no Prefect): the flows wrap them as tasks.
+"""
+
+from __future__ import annotations
+
+from tasks.transfer._archive import archive
+from tasks.transfer._fetch import fetch
+from tasks.transfer._promote import compress, promote
+from tasks.transfer._restore import restore
+from tasks.transfer.results import FaultHook, FetchResult, RestoreResult, Skipped, TransferResult
+
+__all__ = [
+    "FaultHook", "FetchResult", "RestoreResult", "Skipped", "TransferResult", "archive",
+    "compress", "fetch", "promote", "restore",
+]

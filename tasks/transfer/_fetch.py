@@ -1,0 +1,145 @@
+"""Fetch: one stored checkpoint into a local DCP directory, every byte checked first.
+
+Two timed phases, because restore drills report them separately:
+
+1. **download** — stored objects to this machine (parallel ranged GETs on S3), each
+   stored digest checked against ``tier.json``; on a local tier this phase is a plain
+   copy when the tier stores raw files, and empty otherwise (decoding reads the tier);
+2. **decompress** — each stored file decoded to its raw name, raw size and digest
+   checked against the trainer's manifest.
+
+Everything is written under a hidden ``<dst>.part-*`` sibling and renamed to ``dst_dir``
+only when every file matched, so ``dst_dir`` either holds a whole, verified checkpoint
+(DCP files plus ``manifest.json``) or does not exist. Nothing is unpickled here: DCP's
+``.metadata`` is only ever loaded by the caller, after this returned.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+
+from trainer import layout
+from trainer.checksum import hash_file
+from trainer.errors import CodecError, ConfigError, IntegrityError
+
+from tasks.codec import get_codec
+from tasks.storage.index import StoredFile
+from tasks.storage.tier import StoredCheckpoint, Tier
+from tasks.transfer import _streams as streams
+from tasks.transfer._pool import run_all
+from tasks.transfer.results import FetchResult
+
+
+def fetch(tier: Tier, run_id: str, step: int, dst_dir: str, *, threads: int | None = None) -> FetchResult:
+    """Download and decode ``run_id``/``step`` from ``tier`` into ``dst_dir`` (absent or empty).
+
+    Raises CheckpointNotFoundError if the step is not committed there, IntegrityError
+    naming the object when any byte differs from the index or the manifest.
+    """
+    t0 = time.perf_counter()
+    ckpt = tier.open_checkpoint(run_id, step)
+    dst_dir = os.path.abspath(dst_dir)
+    if os.path.exists(dst_dir) and (not os.path.isdir(dst_dir) or os.listdir(dst_dir)):
+        raise ConfigError(f"fetch destination {dst_dir} exists and is not an empty directory; "
+                          "give a new or empty one")
+    parent, base = os.path.split(dst_dir)
+    os.makedirs(parent, exist_ok=True)
+    part = tempfile.mkdtemp(prefix=f".{base}.part-", dir=parent)
+    # Compressed objects land in a sibling dir, never inside `part`: no stored name can
+    # then collide with (or delete) a member of the checkpoint.
+    stored = tempfile.mkdtemp(prefix=f".{base}.stored-", dir=parent)
+    res = FetchResult(uri=ckpt.uri, tier=tier.name, run_id=run_id, step=step, dst_dir=dst_dir,
+                      files=len(ckpt.index.files), bytes_raw=ckpt.index.total_raw_bytes,
+                      bytes_stored=ckpt.index.total_stored_bytes, codec=ckpt.index.codec)
+    items = sorted(ckpt.index.files.items())
+    workers = max(1, min(threads or 4, len(items)))
+    try:
+        td = time.perf_counter()
+        local = _download(tier, ckpt, items, part, stored, workers)
+        res.download_seconds = time.perf_counter() - td
+        tz = time.perf_counter()
+        if ckpt.index.codec != "none":
+            codec_threads = tier.config.codec_threads
+            run_all(lambda it: _decode(ckpt, it[0], local[it[0]], part, codec_threads), items, workers)
+        res.decompress_seconds = time.perf_counter() - tz
+        with open(os.path.join(part, layout.MANIFEST), "wb") as f:
+            f.write(ckpt.manifest_bytes)
+        if os.path.isdir(dst_dir):
+            os.rmdir(dst_dir)  # empty (checked above); rename needs the name free
+        os.rename(part, dst_dir)
+    except BaseException:
+        shutil.rmtree(part, ignore_errors=True)
+        raise
+    finally:
+        shutil.rmtree(stored, ignore_errors=True)
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def _download(tier: Tier, ckpt: StoredCheckpoint, items: list[tuple[str, StoredFile]], part: str,
+              stored: str, workers: int) -> dict[str, str]:
+    """Phase 1. Returns, per file, the local path of its stored bytes (checked)."""
+    raw = ckpt.index.codec == "none"
+    if tier.commits_by_rename and not raw:
+        return {n: ckpt.object_url(n) for n, _ in items}  # decoded straight from the tier
+    manager = tier.s3.transfer_manager() if (tier.s3 and not tier.commits_by_rename) else None
+
+    def one(item: tuple[str, StoredFile]) -> tuple[str, str]:
+        name, f = item
+        url = ckpt.object_url(name)
+        dest = _inside(part, name) if raw else _inside(stored, f.stored_name)
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        try:
+            if tier.commits_by_rename:
+                shutil.copyfile(url, dest)
+            elif manager is not None:
+                tier.s3.download(manager, url, dest)
+            else:
+                tier.fs.get_file(url, dest)
+        except FileNotFoundError:
+            raise IntegrityError(f"{url}: missing although {ckpt.uri} is committed; restore from "
+                                 "another tier or an older checkpoint", path=url) from None
+        # codec "none": what is stored is the file itself, so it answers to the manifest
+        want = ckpt.manifest.files[name] if raw else None
+        size, digest = (want.size, want.checksum) if want else (f.stored_size, f.stored_checksum)
+        got, n = hash_file(dest)
+        if (n, got) != (size, digest):
+            raise IntegrityError(f"{url}: {n} B xxh3 {got}, expected {size} B {digest} "
+                                 f"({'manifest' if raw else 'tier.json'}); the stored object is "
+                                 "damaged — restore from another tier or an older checkpoint",
+                                 path=url)
+        return name, dest
+
+    try:
+        return dict(run_all(one, items, workers))
+    finally:
+        if manager is not None:
+            manager.shutdown()
+
+
+def _decode(ckpt: StoredCheckpoint, name: str, src_path: str, part: str, threads: int | None) -> None:
+    """Phase 2: one stored file to its raw name; raw digest must equal the manifest's."""
+    url = ckpt.object_url(name)
+    dest = _inside(part, name)
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    entry = ckpt.manifest.files[name]
+    try:
+        with open(src_path, "rb") as f, open(dest, "wb") as out:
+            st = get_codec(ckpt.index.codec).decompress(f, out, threads=threads, name=url)
+    except FileNotFoundError:
+        raise IntegrityError(f"{url}: missing although {ckpt.uri} is committed; restore from "
+                             "another tier or an older checkpoint", path=url) from None
+    except CodecError as e:
+        raise IntegrityError(f"{url}: stored object does not decode ({e})", path=url) from None
+    streams.check_raw(st, entry.size, entry.checksum, url, "stored")
+
+
+def _inside(root: str, name: str) -> str:
+    """Local path of a checkpoint member under ``root``; the name was validated, check again."""
+    path = os.path.join(root, *layout.check_member_name(name).split("/"))
+    if not os.path.abspath(path).startswith(os.path.abspath(root) + os.sep):
+        raise IntegrityError(f"{name!r} resolves outside {root}; refusing", path=path)
+    return path
