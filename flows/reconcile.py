@@ -1,0 +1,124 @@
+"""``reconcile(root)``: catch up on whatever the event path missed.
+
+Runs on an interval. For every run on the hot tier:
+
+1. **Unfinished commits** — a committed checkpoint (found on storage, or in the outbox)
+   whose lifecycle has not finished (no ``pruned`` record and not quarantined): its
+   event was lost while the server was down, or its flow crashed. The lifecycle runs
+   again as a subflow; its stages skip what is already done. Steps whose lifecycle is
+   running right now (a flow run in a non-final state) are left alone, so the event
+   path and reconcile never do the same work twice.
+2. **Age-based tier moves** — a checkpoint older than its tier's ``move_after_hours``
+   that the next tier lacks is copied there (promote or archive).
+3. **Stale ``.tmp``** — temporary dirs older than an hour are removed on every tier
+   (a live save of the trainer is always younger).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from prefect import flow, get_run_logger
+
+from flows.lifecycle import lifecycle, with_hot_root
+from tasks import records
+from tasks.config import CkptflowConfig, load_config
+from tasks.storage import Tier
+from trainer import commit, events, layout
+
+def unfinished_steps(run_path: str) -> list[int]:
+    """Committed (on storage or in the outbox) and no terminal lifecycle record."""
+    on_disk = set(commit.committed_steps(run_path))
+    outboxed = {int(x["step"]) for x in events.read_outbox(run_path) if "step" in x}
+    out = []
+    for s in sorted(on_disk | outboxed):
+        st = records.status(run_path, s)
+        if "pruned" in st or records.QUARANTINED in st:
+            continue
+        if s not in on_disk:
+            continue  # in the outbox but gone from hot: nothing left to process here
+        out.append(s)
+    return out
+
+
+def in_flight_lifecycles(run_id: str) -> set[int]:
+    """Steps of ``run_id`` whose lifecycle flow run is pending, scheduled or running."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterName,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+
+    prefix = f"lifecycle-{run_id}-step"
+    with get_client(sync_client=True) as c:
+        runs = c.read_flow_runs(flow_run_filter=FlowRunFilter(
+            name=FlowRunFilterName(like_=prefix),
+            state=FlowRunFilterState(type=FlowRunFilterStateType(
+                any_=[StateType.PENDING, StateType.SCHEDULED, StateType.RUNNING]))), limit=200)
+    steps = set()
+    for r in runs:
+        tail = r.name[len(prefix):] if r.name.startswith(prefix) else ""
+        if tail.isdigit():
+            steps.add(int(tail))
+    return steps
+
+
+def age_moves(cfg: CkptflowConfig, run_id: str, now: float) -> list[dict[str, Any]]:
+    """Copy checkpoints older than their tier's ``move_after_hours`` onto the next tier."""
+    from tasks.transfer import archive, promote
+
+    moved = []
+    tiers = cfg.tiers()
+    for cur, nxt in zip(tiers, tiers[1:]):
+        if cur.move_after_hours is None:
+            continue
+        src, dst = Tier(cur), Tier(nxt)
+        for s in src.committed_steps(run_id):
+            if dst.is_committed(run_id, s) or src.is_quarantined(run_id, s):
+                continue
+            age_h = (now - src.read_manifest(run_id, s).created_at) / 3600
+            if age_h < cur.move_after_hours:
+                continue
+            res = archive(src, dst, run_id, s) if nxt.is_s3 else promote(src, dst, run_id, s)
+            moved.append({"step": s, "from": cur.name, "to": nxt.name, "bytes": res.bytes_stored})
+    return moved
+
+
+@flow(name="ckptflow-reconcile", flow_run_name="reconcile", log_prints=True)
+def reconcile(root: str | None = None, config: str | None = None, tmp_older_than_s: float = 3600.0,
+              run_lifecycles: bool = True) -> dict[str, Any]:
+    """Process missed commits, move aged checkpoints, clean stale temporary dirs."""
+    log = get_run_logger()
+    base = load_config(config)
+    cfg = with_hot_root(base, os.path.abspath(root)) if root else base
+    hot = Tier(cfg.hot)
+    out: dict[str, Any] = {"runs": {}}
+    now = time.time()
+    for run_id in hot.list_runs():
+        run_path = layout.run_dir(cfg.hot.url, run_id)
+        todo = unfinished_steps(run_path)
+        busy = in_flight_lifecycles(run_id) if todo else set()
+        done = []
+        for s in todo:
+            if s in busy:
+                log.info("%s step %d: lifecycle already running, left alone", run_id, s)
+                continue
+            log.info("%s step %d: committed but its lifecycle never finished; running it now", run_id, s)
+            if run_lifecycles:
+                res = lifecycle(run_id=run_id, step=s, uri=layout.join(run_path, layout.step_name(s)),
+                                root=cfg.hot.url, config=config)
+                done.append({"step": s, "status": res.get("status")})
+        moved = age_moves(cfg, run_id, now)
+        cleaned = []
+        for t in cfg.tiers():
+            cleaned += Tier(t).clean_stale(run_id, older_than_s=tmp_older_than_s)
+        out["runs"][run_id] = {"unfinished": todo, "in_flight": sorted(busy), "processed": done,
+                               "moved": moved, "cleaned": cleaned}
+        log.info("%s: %d unfinished, %d processed, %d moved, %d stale dirs removed", run_id, len(todo),
+                 len(done), len(moved), len(cleaned))
+    return out

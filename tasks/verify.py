@@ -1,0 +1,141 @@
+"""The verify stage: integrity, restore sanity step, expectations — or quarantine.
+
+(a) every file against the manifest (size + xxh3-128), before anything is loaded;
+(b) the restore sanity step in a *fresh process* at world size 1 (``trainer.sanity``):
+    rebuild, load (resharding), recompute the probe loss and compare (bitwise on the
+    same platform), check the restored scheduler's learning rate;
+(c) Great Expectations over per-tensor statistics (finite, Adam v >= 0, bounded norm
+    change since the previous verified checkpoint, step forward).
+
+Pass: ``verified.json`` (+ ``stats.json``, ``expectations.json`` beside it). Fail: a
+``quarantined.json`` record with the reasons; the checkpoint is never promoted and
+the trainer's resume skips it. Idempotent: an existing record short-circuits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tasks import records
+from trainer import layout
+from trainer.errors import CheckpointNotFoundError
+from trainer.verify import verify_checkpoint
+
+
+@dataclass(slots=True)
+class VerifyOutcome:
+    run_id: str
+    step: int
+    ok: bool
+    reasons: list[str] = field(default_factory=list)
+    integrity: dict[str, Any] = field(default_factory=dict)
+    sanity: dict[str, Any] = field(default_factory=dict)
+    expectations: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+    skipped: bool = False
+    """True when a record already existed (a re-run): nothing was redone."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def run_sanity(ckpt_dir: str, *, nproc: int = 1, timeout_s: float = 900, stats: bool = True) -> dict[str, Any]:
+    """Run ``trainer.sanity`` in a fresh process (or a torchrun job of ``nproc`` ranks)."""
+    with tempfile.TemporaryDirectory(prefix="ckptflow-sanity-") as tmp:
+        out = os.path.join(tmp, "result.json")
+        mod = ["-m", "trainer.sanity", ckpt_dir, "--out", out, *(["--stats"] if stats else [])]
+        if nproc > 1:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={nproc}", "--max-restarts=0", *mod]
+        else:
+            cmd = [sys.executable, *mod]
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        env.pop("CKPTFLOW_FAULT", None)  # faults are for the job under test, not the checker
+        t0 = time.perf_counter()
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+        try:
+            with open(out) as f:
+                res = json.load(f)
+        except (OSError, json.JSONDecodeError):
+            res = {"ok": False, "error": "sanity-crashed", "problems": [p.stderr[-2000:]]}
+        res["process_seconds"] = time.perf_counter() - t0
+        res["returncode"] = p.returncode
+        return res
+
+
+def _previous_verified(run_path: str, step: int) -> tuple[int | None, list[dict] | None]:
+    for s in sorted(records.steps_with_records(run_path), reverse=True):
+        if s < step and records.read_record(run_path, s, "verified") is not None:
+            return s, records.read_side_file(run_path, s, "stats.json")
+    return None, None
+
+
+def verify_stage(run_path: str, step: int, *, sanity_step: bool = True, expectations: bool = True,
+                 max_norm_change: float = 0.5) -> VerifyOutcome:
+    run_id = os.path.basename(run_path.rstrip("/"))
+    existing = records.read_record(run_path, step, "verified")
+    quarantined = records.read_record(run_path, step, records.QUARANTINED)
+    if existing is not None or quarantined is not None:
+        rec = existing or quarantined
+        return VerifyOutcome(run_id, step, existing is not None, rec.get("reasons", []),
+                             rec.get("integrity", {}), rec.get("sanity", {}), rec.get("expectations", {}),
+                             0.0, skipped=True)
+    t0 = time.perf_counter()
+    ckpt = os.path.join(run_path, layout.step_name(step))
+    if not os.path.isdir(ckpt):
+        # Not a bad checkpoint but no checkpoint: a stale event, or pruned before its
+        # lifecycle ran. Quarantining a name would be misleading; fail loudly instead.
+        raise CheckpointNotFoundError(f"{ckpt} does not exist (pruned, or the event is stale); "
+                                      "nothing to verify — check the run's committed steps")
+    out = VerifyOutcome(run_id, step, False)
+
+    integ = verify_checkpoint(ckpt)
+    out.integrity = {"ok": integ.ok, "bytes": integ.bytes_checked, "seconds": integ.seconds,
+                     "problems": [str(p) for p in integ.problems]}
+    if not integ.ok:
+        out.reasons = [f"integrity: {p}" for p in integ.problems]
+        return _finish(run_path, out, t0)
+
+    stats = None
+    if sanity_step:
+        san = run_sanity(ckpt, stats=expectations)
+        stats = san.pop("stats", None)
+        out.sanity = san
+        if not san.get("ok"):
+            why = san.get("problems") or [
+                f"probe loss {san.get('probe_loss_restored')} != recorded {san.get('probe_loss_recorded')} "
+                f"({san.get('probe_match')}); lr {san.get('lr_restored')} vs {san.get('lr_recorded')}"]
+            out.reasons = [f"sanity: {w}" for w in why]
+            return _finish(run_path, out, t0)
+
+    if expectations and stats is not None:
+        from tasks.expectations import validate
+
+        prev_step, prev_stats = _previous_verified(run_path, step)
+        rep = validate(stats, prev_stats, step=step, prev_step=prev_step, max_norm_change=max_norm_change)
+        out.expectations = {"success": rep.success, "failures": rep.failures, "previous_step": prev_step,
+                            "result_file": records.write_side_file(run_path, step, "expectations.json", rep.result)}
+        if not rep.success:
+            out.reasons = [f"expectations: {f}" for f in rep.failures]
+            return _finish(run_path, out, t0, stats)
+    out.ok = True
+    return _finish(run_path, out, t0, stats)
+
+
+def _finish(run_path: str, out: VerifyOutcome, t0: float, stats: list | None = None) -> VerifyOutcome:
+    out.seconds = time.perf_counter() - t0
+    if stats is not None:
+        records.write_side_file(run_path, out.step, "stats.json", stats)
+    body = {k: v for k, v in out.to_dict().items() if k not in ("skipped",)}
+    if out.ok:
+        records.write_record(run_path, out.step, "verified", body)
+    else:
+        records.quarantine(run_path, out.step, out.reasons, body)
+    return out

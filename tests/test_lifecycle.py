@@ -1,0 +1,259 @@
+"""The lifecycle on real parts: a Prefect server (session harness), moto's S3 server over
+HTTP, real training jobs. Flows run in-process against the harness, except the
+end-to-end test, where ``flows.serve`` picks up the commit events like production."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import boto3
+import pytest
+
+from tests.conftest import PY, REPO, free_port, make_run, run_torchrun, torchrun_env
+from tests.helpers import flip_byte, step_dir
+from trainer import layout
+from trainer.resume import find_resume_point
+
+pytestmark = pytest.mark.slow
+
+
+def write_config(tmp_path, hot, s3_endpoint, bucket, *, hot_keep=2, warm_keep=2, cold_keep=3,
+                 sanity=True) -> str:
+    cfg = tmp_path / "ckptflow.toml"
+    cfg.write_text(f"""
+[hot]
+url = "{hot}"
+[hot.retention]
+keep_last = {hot_keep}
+[warm]
+url = "{tmp_path / 'warm'}"
+codec = "zstd"
+[warm.retention]
+keep_last = {warm_keep}
+[cold]
+url = "s3://{bucket}/ckpt"
+codec = "zstd"
+endpoint_url = "{s3_endpoint}"
+storage_class = "STANDARD_IA"
+[cold.retention]
+keep_last = {cold_keep}
+[lifecycle]
+sanity_step = {str(sanity).lower()}
+""")
+    return str(cfg)
+
+
+def cold_steps(s3_endpoint, bucket, run_id) -> set[int]:
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
+    keys = [o["Key"] for p in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"ckpt/{run_id}/")
+            for o in p.get("Contents", [])]
+    return {layout.parse_step(k.split("/")[2]) for k in keys if k.endswith("/" + layout.COMMIT_MARKER)}
+
+
+def cold_objects(s3_endpoint, bucket) -> dict[str, str]:
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
+    return {o["Key"]: str(o["LastModified"]) for p in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket)
+            for o in p.get("Contents", [])}
+
+
+def committed(path) -> set[int]:
+    return {s for n in os.listdir(path) if (s := layout.parse_step(n)) is not None} if os.path.isdir(path) else set()
+
+
+def wait_for_runs(prefix: str, n: int, timeout: float = 400) -> list:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with get_client(sync_client=True) as c:
+            runs = c.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=prefix)), limit=50)
+        final = [r for r in runs if r.state_type.value in ("COMPLETED", "FAILED", "CRASHED")]
+        if len(final) >= n:
+            return runs
+        time.sleep(2)
+    raise TimeoutError(f"{prefix}: fewer than {n} finished flow runs after {timeout} s")
+
+
+def test_training_commits_trigger_lifecycles_end_to_end(prefect_api, s3_endpoint, s3_bucket, tmp_path):
+    """Commit events from a 2-rank job trigger served lifecycle runs; every checkpoint ends
+    verified, in warm and in cold with its marker, and prune leaves exactly the policy's set."""
+    hot = tmp_path / "hot"
+    cfg = write_config(tmp_path, hot, s3_endpoint, s3_bucket)
+    env = dict(torchrun_env(), PREFECT_API_URL=prefect_api, PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    log = open(tmp_path / "serve.log", "w")
+    srv = subprocess.Popen([PY, "-m", "flows.serve", "--config", cfg, "--reconcile-every", "3600"], cwd=REPO,
+                           env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        time.sleep(8)  # the runner registers its deployments and triggers
+        r = run_torchrun(["--ckpt-root", str(hot), "--run-id", "e2e", "--model", "tiny", "--max-steps", "8",
+                          "--save-every", "2"], env={"PREFECT_API_URL": prefect_api})
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs = wait_for_runs("lifecycle-e2e-step", 4)
+    finally:
+        srv.terminate()
+        srv.wait(30)
+    states = {x.name: x.state_type.value for x in runs}
+    assert states == {f"lifecycle-e2e-step{s}": "COMPLETED" for s in (2, 4, 6, 8)}, \
+        (states, (tmp_path / "serve.log").read_text()[-3000:])
+    run = hot / "e2e"
+    for s in (2, 4, 6, 8):
+        rec = json.loads((run / "_lifecycle" / layout.step_name(s) / "verified.json").read_text())
+        assert rec["sanity"]["probe_match"] == "bitwise" and rec["expectations"]["success"]
+        assert (run / "_lifecycle" / layout.step_name(s) / "archived.json").exists()
+    assert committed(run) == {6, 8}                                # hot keep_last 2
+    assert committed(tmp_path / "warm" / "e2e") == {6, 8}          # warm keep_last 2
+    assert cold_steps(s3_endpoint, s3_bucket, "e2e") == {4, 6, 8}  # cold keep_last 3
+
+
+@pytest.fixture
+def run_copy(tiny_run, tmp_path):
+    hot = tmp_path / "hot"
+    shutil.copytree(tiny_run, hot / "tiny")
+    return hot
+
+
+def test_lifecycle_twice_does_nothing_twice(prefect_api, s3_endpoint, s3_bucket, tmp_path, run_copy):
+    from flows.lifecycle import lifecycle
+
+    cfg = write_config(tmp_path, run_copy, s3_endpoint, s3_bucket, hot_keep=5, warm_keep=5, cold_keep=5)
+    first = lifecycle(run_id="tiny", step=6, uri=str(step_dir(run_copy / "tiny", 6)), config=cfg)
+    assert first["status"] == "done" and first["archive"]["files"] > 0
+    objects = cold_objects(s3_endpoint, s3_bucket)
+    second = lifecycle(run_id="tiny", step=6, uri=str(step_dir(run_copy / "tiny", 6)), config=cfg)
+    assert second["verify"]["skipped"] and second["promote"]["skipped"] and second["archive"]["skipped"]
+    assert cold_objects(s3_endpoint, s3_bucket) == objects  # nothing re-uploaded
+
+
+def test_lifecycle_killed_half_way_finishes_on_rerun(prefect_api, s3_endpoint, s3_bucket, tmp_path, run_copy):
+    """SIGKILL right after the first object of the archive; the re-run uploads only the rest."""
+    cfg = write_config(tmp_path, run_copy, s3_endpoint, s3_bucket, hot_keep=5, warm_keep=5, cold_keep=5)
+    code = ("from flows.lifecycle import lifecycle; import sys; "
+            f"lifecycle(run_id='tiny', step=6, uri='{step_dir(run_copy / 'tiny', 6)}', config='{cfg}')")
+    env = dict(torchrun_env(), PREFECT_API_URL=prefect_api, CKPTFLOW_FAULT="archive.uploaded@6")
+    r = subprocess.run([PY, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == -9, r.stderr[-2000:]
+    assert 6 not in cold_steps(s3_endpoint, s3_bucket, "tiny"), "a partial upload is never committed"
+    before = cold_objects(s3_endpoint, s3_bucket)
+    assert len(before) >= 1
+    from flows.lifecycle import lifecycle
+
+    out = lifecycle(run_id="tiny", step=6, uri=str(step_dir(run_copy / "tiny", 6)), config=cfg)
+    assert out["status"] == "done" and out["verify"]["skipped"] and out["promote"]["skipped"]
+    assert out["archive"]["skipped_files"] >= 1, out["archive"]
+    after = cold_objects(s3_endpoint, s3_bucket)
+    assert all(after[k] == v for k, v in before.items()), "objects uploaded before the kill are not re-sent"
+    assert 6 in cold_steps(s3_endpoint, s3_bucket, "tiny")
+
+
+def test_corrupted_shard_is_quarantined_never_promoted_and_skipped_by_resume(
+        prefect_api, s3_endpoint, s3_bucket, tmp_path, run_copy):
+    from flows.lifecycle import lifecycle
+
+    cfg = write_config(tmp_path, run_copy, s3_endpoint, s3_bucket, hot_keep=5)
+    run = run_copy / "tiny"
+    shard = sorted(p for p in os.listdir(step_dir(run, 6)) if p.endswith(".distcp"))[0]
+    flip_byte(os.path.join(step_dir(run, 6), shard))
+    out = lifecycle(run_id="tiny", step=6, uri=str(step_dir(run, 6)), config=cfg)
+    assert out["status"] == "quarantined" and "checksum" in out["verify"]["reasons"][0]
+    assert shard in out["verify"]["reasons"][0]
+    assert not (tmp_path / "warm" / "tiny" / layout.step_name(6)).exists()
+    assert 6 not in cold_steps(s3_endpoint, s3_bucket, "tiny")
+    rec = json.loads((run / "_lifecycle" / layout.step_name(6) / "quarantined.json").read_text())
+    assert rec["reasons"]
+    # Repair the bytes: resume still skips it, because the lifecycle said no.
+    flip_byte(os.path.join(step_dir(run, 6), shard))
+    assert find_resume_point(str(run)).chosen.step == 4
+
+
+def _tamper(ckpt: str, fn) -> None:
+    """Change one tensor of a checkpoint and rewrite it *with valid checksums*.
+
+    The attacker (or a buggy writer) knows the format: the new files verify. Only the
+    restore sanity step or the expectations can tell.
+    """
+    script = f"""
+import json, os, shutil, tempfile, torch, torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+from trainer.checksum import hash_file
+ckpt = {ckpt!r}
+tmp = tempfile.mkdtemp()
+dcp_to_torch_save(ckpt, tmp + "/full.pt")
+sd = torch.load(tmp + "/full.pt", weights_only=False)
+w = sd["model"]["blocks.0.fc.weight"]
+{fn}
+new = tmp + "/dcp"
+torch.save(sd, tmp + "/full.pt")
+torch_save_to_dcp(tmp + "/full.pt", new)
+m = json.load(open(ckpt + "/manifest.json"))
+for n in list(m["files"]):
+    os.unlink(os.path.join(ckpt, n))
+m["files"] = {{}}
+for n in os.listdir(new):
+    shutil.copy(os.path.join(new, n), os.path.join(ckpt, n))
+    d, s = hash_file(os.path.join(ckpt, n))
+    m["files"][n] = {{"size": s, "checksum": d}}
+m["total_bytes"] = sum(e["size"] for e in m["files"].values())
+json.dump(m, open(ckpt + "/manifest.json", "w"))
+"""
+    r = subprocess.run([PY, "-c", script], cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("tamper,caught_by", [
+    ("w.mul_(1.5)", "sanity"),                  # plausible values, wrong model: probe loss differs
+    ("w.view(-1)[7] = float('nan')", "sanity"),  # a NaN: the probe loss and expectations both object
+])
+def test_tampered_tensor_with_valid_checksums_is_caught(prefect_api, s3_endpoint, s3_bucket, tmp_path, run_copy,
+                                                        tamper, caught_by):
+    from flows.lifecycle import lifecycle
+    from trainer.verify import verify_checkpoint
+
+    cfg = write_config(tmp_path, run_copy, s3_endpoint, s3_bucket, hot_keep=5)
+    run = run_copy / "tiny"
+    _tamper(str(step_dir(run, 6)), tamper)
+    assert verify_checkpoint(str(step_dir(run, 6))).ok, "checksums alone cannot see it"
+    out = lifecycle(run_id="tiny", step=6, uri=str(step_dir(run, 6)), config=cfg)
+    assert out["status"] == "quarantined"
+    assert out["verify"]["reasons"][0].startswith(caught_by), out["verify"]["reasons"]
+
+
+def test_expectations_catch_what_the_probe_cannot(tmp_path):
+    """Statistics-level checks alone: a negative Adam second moment and a NaN."""
+    from tasks.expectations import validate
+
+    ok = [{"name": "w", "kind": "param", "numel": 4, "finite_frac": 1.0, "norm": 1.0, "min": -1, "max": 1, "mean": 0},
+          {"name": "w.exp_avg_sq", "kind": "exp_avg_sq", "numel": 4, "finite_frac": 1.0, "norm": 1e-3, "min": 0.0,
+           "max": 1e-3, "mean": 1e-4}]
+    assert validate(ok, ok, step=4, prev_step=2, max_norm_change=0.5).success
+    neg = [dict(ok[0]), dict(ok[1], min=-1e-9)]
+    rep = validate(neg, ok, step=4, prev_step=2, max_norm_change=0.5)
+    assert not rep.success and "Adam second moments" in " ".join(rep.failures)
+    nan = [dict(ok[0], finite_frac=0.75), ok[1]]
+    assert not validate(nan, ok, step=4, prev_step=2, max_norm_change=0.5).success
+    jump = [dict(ok[0], norm=3.0), ok[1]]
+    assert not validate(jump, ok, step=4, prev_step=2, max_norm_change=0.5).success
+    assert not validate(ok, ok, step=2, prev_step=4, max_norm_change=0.5).success  # step went back
+
+
+def test_reconcile_processes_commits_missed_while_the_server_was_down(prefect_api, s3_endpoint, s3_bucket, tmp_path):
+    from flows.reconcile import reconcile
+
+    hot = tmp_path / "hot"
+    cfg = write_config(tmp_path, hot, s3_endpoint, s3_bucket, hot_keep=5, warm_keep=5, cold_keep=5,
+                       sanity=False)
+    # Training while "the server is down": events go to a port nobody listens on.
+    make_run(hot, "down", max_steps=4, save_every=2, env={"PREFECT_API_URL": f"http://127.0.0.1:{free_port()}/api"})
+    run = hot / "down"
+    assert not (run / "_lifecycle").exists()
+    out = reconcile(config=cfg)
+    assert out["runs"]["down"]["unfinished"] == [2, 4]
+    assert [x["status"] for x in out["runs"]["down"]["processed"]] == ["done", "done"]
+    assert cold_steps(s3_endpoint, s3_bucket, "down") == {2, 4}
+    again = reconcile(config=cfg)  # nothing left: no duplicate work
+    assert again["runs"]["down"]["unfinished"] == [] and again["runs"]["down"]["processed"] == []
