@@ -26,12 +26,17 @@ def read_metrics(run_path: str) -> list[dict[str, Any]]:
 
 def resume_points(rows: list[dict[str, Any]]) -> list[int]:
     """Steps at which a new attempt started (the step it resumed after is one less)."""
+    return [b for _, b in failures_and_resumes(rows)]
+
+
+def failures_and_resumes(rows: list[dict[str, Any]]) -> list[tuple[int, int]]:
+    """(last step of the failed attempt, first step of the next attempt) per restart."""
     out, prev = [], None
     for r in rows:
         a = r.get("attempt", 0)
-        if prev is not None and a != prev:
-            out.append(r["step"])
-        prev = a
+        if prev is not None and a != prev[0]:
+            out.append((prev[1], r["step"]))
+        prev = (a, r["step"])
     return out
 
 
@@ -49,8 +54,9 @@ def plot_drill(path: str, *, run_id: str, rows: list[dict[str, Any]], checkpoint
         ax.plot(xs, [last[x] for x in xs], lw=1.2, color="#3465a4", label="training loss")
     for i, s in enumerate(sorted(checkpoint_steps)):
         ax.axvline(s, color="#8ae234", lw=0.8, alpha=0.7, label="checkpoint" if i == 0 else None)
-    for i, s in enumerate(resume_points(rows)):
-        ax.axvline(s - 0.5, color="#cc0000", lw=1.5, ls="--", label="resume after failure" if i == 0 else None)
+    for i, (died, resumed) in enumerate(failures_and_resumes(rows)):
+        ax.axvline(died, color="#cc0000", lw=1.2, ls=":", label="failure (worker killed)" if i == 0 else None)
+        ax.axvline(resumed - 0.5, color="#cc0000", lw=1.5, ls="--", label="resumed from checkpoint" if i == 0 else None)
     for i, d in enumerate(drills):
         if d.get("probe_loss_recorded") is not None:
             ax.scatter([d["step"]], [d["probe_loss_recorded"]], marker="o", s=70, facecolors="none",

@@ -153,19 +153,37 @@ def test_stalled_trainer_alerts_once(prefect_api, receiver):
 
 
 def test_drill_deployment_schedule_after_prefect_deploy(prefect_api):
+    from prefect.client.orchestration import get_client
+
     env = dict(os.environ, PREFECT_API_URL=prefect_api)
     subprocess.run([PY, "-m", "prefect", "work-pool", "create", "ckptflow-pool", "--type", "process"], cwd=REPO,
                    env=env, capture_output=True, text=True, timeout=120)
-    r = subprocess.run([PY, "-m", "prefect", "--no-prompt", "deploy", "--prefect-file", "deployments/prefect.yaml",
-                        "--all"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    from prefect.client.orchestration import get_client
-
-    with get_client(sync_client=True) as c:
-        dep = c.read_deployment_by_name("ckptflow-restore-drill/restore-drill")
-        assert [s.schedule.cron for s in dep.schedules] == ["0 3 * * *"]
-        assert dep.schedules[0].schedule.timezone == "UTC"
-        life = c.read_deployment_by_name("ckptflow-lifecycle/lifecycle")
-        assert life.work_pool_name == "ckptflow-pool"
-        trig = c.read_resource_related_automations(f"prefect.deployment.{life.id}")
-        assert any("ckptflow.checkpoint.committed" in a.trigger.expect for a in trig)
+    names = ["ckptflow-restore-drill/restore-drill", "ckptflow-lifecycle/lifecycle", "ckptflow-reconcile/reconcile"]
+    try:
+        r = subprocess.run([PY, "-m", "prefect", "--no-prompt", "deploy", "--prefect-file",
+                            "deployments/prefect.yaml", "--all"], cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        with get_client(sync_client=True) as c:
+            dep = c.read_deployment_by_name(names[0])
+            assert [s.schedule.cron for s in dep.schedules] == ["0 3 * * *"]
+            assert dep.schedules[0].schedule.timezone == "UTC"
+            life = c.read_deployment_by_name(names[1])
+            assert life.work_pool_name == "ckptflow-pool"
+            trig = c.read_resource_related_automations(f"prefect.deployment.{life.id}")
+            assert any("ckptflow.checkpoint.committed" in a.trigger.expect for a in trig)
+    finally:
+        # The harness is shared by the session: leave no deployment (or its trigger) behind
+        # to compete with the ones other tests serve under the same names.
+        with get_client(sync_client=True) as c:
+            for n in names:
+                try:
+                    d = c.read_deployment_by_name(n)
+                except Exception:
+                    continue
+                c.delete_resource_owned_automations(f"prefect.deployment.{d.id}")
+                c.delete_deployment(d.id)
+            try:
+                c.delete_work_pool("ckptflow-pool")
+            except Exception:
+                pass
