@@ -17,8 +17,7 @@ from prefect import get_run_logger, task
 
 from tasks import records
 from tasks.config import CkptflowConfig
-from tasks.prune import prune
-from tasks.retention import build_policy
+from tasks.prune import prune_run, unsafe_on_hot  # noqa: F401 - unsafe_on_hot: moved there, kept importable
 from tasks.storage import Tier, acquire_lease
 from tasks.transfer import archive, compress, promote
 
@@ -105,39 +104,16 @@ def archive_stage(cfg: CkptflowConfig, run_path: str, run_id: str, step: int) ->
     return _archive(cfg, run_path, run_id, step)
 
 
-def unsafe_on_hot(cfg: CkptflowConfig, run_path: str, steps: list[int]) -> set[int]:
-    """Hot checkpoints that exist nowhere else yet: prune must not take the only copy.
-
-    A checkpoint is safe to drop from hot once the furthest configured tier has it
-    (archived when there is a cold tier, else promoted when there is a warm tier), or
-    once it is quarantined (a bad checkpoint is not worth keeping by this rule).
-    """
-    need = "archived" if cfg.cold is not None else ("promoted" if cfg.warm is not None else None)
-    if need is None:
-        return set()
-    return {s for s in steps if records.read_record(run_path, s, need) is None
-            and records.read_record(run_path, s, records.QUARANTINED) is None}
-
-
 @task(name="prune", task_run_name="prune-{run_id}-{step}", retries=1, retry_delay_seconds=5)
 def _prune(cfg: CkptflowConfig, run_path: str, run_id: str, step: int, dry_run: bool) -> dict[str, Any]:
     t0 = time.perf_counter()
     log = get_run_logger()
-    verified = [s for s in records.steps_with_records(run_path)
-                if records.read_record(run_path, s, "verified") is not None]
     out: dict[str, Any] = {"tiers": {}, "dry_run": dry_run}
-    for tcfg in cfg.tiers():
-        tier = Tier(tcfg)
-        protected: set[int] = set()
-        if tcfg.name == "hot":
-            protected = unsafe_on_hot(cfg, run_path, tier.committed_steps(run_id))
-        # The newest checkpoint that passed verification stays on every tier that has it.
-        rep = prune(tier, run_id, build_policy(tcfg.retention), protected_steps=protected,
-                    verified_steps=verified if tcfg.name == "hot" else None, dry_run=dry_run)
+    for name, rep in prune_run(cfg, run_id, dry_run=dry_run).items():
         for line in rep.lines():
             log.info(line)
-        out["tiers"][tcfg.name] = {"kept": {str(k): v for k, v in rep.kept.items()}, "deleted": rep.deleted,
-                                   "planned": rep.planned, "errors": {str(k): v for k, v in rep.errors.items()}}
+        out["tiers"][name] = {"kept": {str(k): v for k, v in rep.kept.items()}, "deleted": rep.deleted,
+                              "planned": rep.planned, "errors": {str(k): v for k, v in rep.errors.items()}}
     out["seconds"] = time.perf_counter() - t0
     if not dry_run:
         records.write_record(run_path, step, "pruned", out)

@@ -13,13 +13,17 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from trainer import layout
+from trainer import faults, layout
 from trainer.errors import CkptflowError
 
 from tasks.retention import CheckpointInfo, Policy, plan
 from tasks.storage.leases import leased_steps
 from tasks.storage.tier import Tier
+
+if TYPE_CHECKING:
+    from tasks.config import CkptflowConfig
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +111,9 @@ def prune(tier: Tier, run_id: str, policy: Policy, *, protected_steps: Iterable[
             if step in tier.pinned_steps(run_id):
                 report.kept[step] = ["pinned (since planning)"]
                 continue
+            faults.maybe_crash(f"prune.{tier.name}.before_delete", step)
             tier.delete_checkpoint(run_id, step)
+            faults.maybe_crash(f"prune.{tier.name}.deleted", step)
             report.deleted.append(step)
         except (OSError, CkptflowError) as e:
             # Log and go on: one stuck delete (a busy NFS handle, a throttled bucket) must
@@ -120,3 +126,52 @@ def prune(tier: Tier, run_id: str, policy: Policy, *, protected_steps: Iterable[
     for line in report.lines():
         log.info(line)
     return report
+
+
+# ---- the lifecycle's protections, shared by the prune stage and ``ckptflow prune`` -------
+
+def unsafe_on_hot(cfg: "CkptflowConfig", run_path: str, steps: Iterable[int]) -> set[int]:
+    """Hot checkpoints that exist nowhere else yet: prune must not take the only copy.
+
+    A checkpoint is safe to drop from hot once the furthest configured tier has it
+    (archived when there is a cold tier, else promoted when there is a warm tier), or
+    once it is quarantined (a bad checkpoint is not worth keeping by this rule).
+    ``run_path``: the run on the hot tier, where the lifecycle's stage records are.
+    """
+    from tasks import records
+
+    need = "archived" if cfg.cold is not None else ("promoted" if cfg.warm is not None else None)
+    if need is None:
+        return set()
+    return {s for s in steps if records.read_record(run_path, s, need) is None
+            and records.read_record(run_path, s, records.QUARANTINED) is None}
+
+
+def prune_run(cfg: "CkptflowConfig", run_id: str, *, tiers: Iterable[str] | None = None,
+              dry_run: bool = False) -> dict[str, PruneReport]:
+    """Apply each tier's retention policy to one run, with the lifecycle's protections.
+
+    On hot: the steps not yet on the furthest tier are protected (:func:`unsafe_on_hot`) and
+    "verified" means the verify stage's record. On warm and cold a copy is verified by
+    construction (it was checked before its commit). ``tiers``: names to prune (default:
+    every configured tier). Returns ``{tier name: report}`` in restore order.
+    """
+    from tasks import records
+    from tasks.retention import build_policy
+
+    run_path = layout.run_dir(cfg.hot.url, run_id)
+    verified = [s for s in records.steps_with_records(run_path)
+                if records.read_record(run_path, s, VERIFIED_STAGE) is not None]
+    wanted = set(tiers) if tiers is not None else None
+    out: dict[str, PruneReport] = {}
+    for tcfg in cfg.tiers():
+        if wanted is not None and tcfg.name not in wanted:
+            continue
+        tier = Tier(tcfg)
+        protected: set[int] = set()
+        if tcfg.name == "hot":
+            protected = unsafe_on_hot(cfg, run_path, tier.committed_steps(run_id))
+        # The newest checkpoint that passed verification stays on every tier that has it.
+        out[tcfg.name] = prune(tier, run_id, build_policy(tcfg.retention), protected_steps=protected,
+                               verified_steps=verified if tcfg.name == "hot" else None, dry_run=dry_run)
+    return out

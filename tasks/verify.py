@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tasks import records
-from trainer import layout
+from trainer import faults, layout
 from trainer.errors import CheckpointNotFoundError
 from trainer.verify import verify_checkpoint
 
@@ -97,6 +97,7 @@ def verify_stage(run_path: str, step: int, *, sanity_step: bool = True, expectat
     out = VerifyOutcome(run_id, step, False)
 
     integ = verify_checkpoint(ckpt)
+    faults.maybe_crash("verify.integrity", step)
     out.integrity = {"ok": integ.ok, "bytes": integ.bytes_checked, "seconds": integ.seconds,
                      "problems": [str(p) for p in integ.problems]}
     if not integ.ok:
@@ -106,6 +107,7 @@ def verify_stage(run_path: str, step: int, *, sanity_step: bool = True, expectat
     stats = None
     if sanity_step:
         san = run_sanity(ckpt, stats=expectations)
+        faults.maybe_crash("verify.sanity", step)
         stats = san.pop("stats", None)
         out.sanity = san
         if not san.get("ok"):
@@ -131,6 +133,7 @@ def verify_stage(run_path: str, step: int, *, sanity_step: bool = True, expectat
 
 def _finish(run_path: str, out: VerifyOutcome, t0: float, stats: list | None = None) -> VerifyOutcome:
     out.seconds = time.perf_counter() - t0
+    faults.maybe_crash("verify.before_record", out.step)
     if stats is not None:
         records.write_side_file(run_path, out.step, "stats.json", stats)
     body = {k: v for k, v in out.to_dict().items() if k not in ("skipped",)}

@@ -16,6 +16,14 @@ import typer
 
 from flows.cli import cmd_demo, cmd_verify
 from flows.cli import cmd_codec
+from flows.cli import cmd_ls
+from flows.cli import cmd_restore
+from flows.cli import cmd_prune
+from flows.cli import cmd_pin
+from flows.cli import cmd_drill
+from flows.cli import cmd_advise
+from flows.cli import cmd_alerts
+from flows.cli import cmd_serve
 
 app = typer.Typer(
     name="ckptflow",
@@ -34,8 +42,16 @@ def _root() -> None:
 
 # Registration order is the order in --help.
 cmd_demo.register(app)
+cmd_ls.register(app)
 cmd_verify.register(app)
+cmd_restore.register(app)
+cmd_prune.register(app)
+cmd_pin.register(app)
+cmd_drill.register(app)
+cmd_advise.register(app)
 cmd_codec.register(app)
+cmd_alerts.register(app)
+cmd_serve.register(app)
 
 
 def main() -> None:

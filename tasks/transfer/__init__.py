@@ -12,12 +12,12 @@ Plain typed functions (no Prefect): the flows wrap them as tasks.
 from __future__ import annotations
 
 from tasks.transfer._archive import archive
-from tasks.transfer._fetch import fetch
+from tasks.transfer._fetch import fetch, progress_total
 from tasks.transfer._promote import compress, promote
 from tasks.transfer._restore import restore
 from tasks.transfer.results import FaultHook, FetchResult, RestoreResult, Skipped, TransferResult
 
 __all__ = [
     "FaultHook", "FetchResult", "RestoreResult", "Skipped", "TransferResult", "archive",
-    "compress", "fetch", "promote", "restore",
+    "compress", "fetch", "progress_total", "promote", "restore",
 ]

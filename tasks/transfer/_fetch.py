@@ -8,6 +8,8 @@ Two timed phases, because restore drills report them separately:
 2. **decompress** — each stored file decoded to its raw name, raw size and digest
    checked against the trainer's manifest.
 
+An optional ``progress`` callback hears about bytes as they move (see :func:`progress_total`).
+
 Everything is written under a hidden ``<dst>.part-*`` sibling and renamed to ``dst_dir``
 only when every file matched, so ``dst_dir`` either holds a whole, verified checkpoint
 (DCP files plus ``manifest.json``) or does not exist. Nothing is unpickled here: DCP's
@@ -20,24 +22,45 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
+from typing import Any
 
 from trainer import layout
 from trainer.checksum import hash_file
 from trainer.errors import CodecError, ConfigError, IntegrityError
 
 from tasks.codec import get_codec
-from tasks.storage.index import StoredFile
+from tasks.storage.index import StoredFile, TierIndex
 from tasks.storage.tier import StoredCheckpoint, Tier
 from tasks.transfer import _streams as streams
 from tasks.transfer._pool import run_all
 from tasks.transfer.results import FetchResult
 
+Progress = Callable[[int], None]
+"""Called with a number of bytes just processed (from worker threads: it must be thread-safe;
+rich's ``Progress.advance`` is). May be negative: an S3 retry takes back what it re-reads."""
 
-def fetch(tier: Tier, run_id: str, step: int, dst_dir: str, *, threads: int | None = None) -> FetchResult:
+_COPY_BLOCK = 8 << 20
+
+
+def progress_total(tier: Tier, index: TierIndex) -> int:
+    """What a fetch's ``progress`` calls add up to: the stored bytes it downloads plus the
+    raw bytes it decodes. A raw tier (codec "none") downloads only: ``total_raw_bytes``; a
+    compressed local tier decodes only (no download phase): ``total_raw_bytes``; a
+    compressed object store does both: stored + raw."""
+    raw = index.codec == "none"
+    downloads = raw or not tier.commits_by_rename
+    return (index.total_stored_bytes if downloads and not raw else 0) + index.total_raw_bytes
+
+
+def fetch(tier: Tier, run_id: str, step: int, dst_dir: str, *, threads: int | None = None,
+          progress: Progress | None = None) -> FetchResult:
     """Download and decode ``run_id``/``step`` from ``tier`` into ``dst_dir`` (absent or empty).
 
     Raises CheckpointNotFoundError if the step is not committed there, IntegrityError
-    naming the object when any byte differs from the index or the manifest.
+    naming the object when any byte differs from the index or the manifest. ``progress``
+    (optional) is called with byte counts as they are downloaded and decoded; they add up
+    to :func:`progress_total` when the fetch succeeds.
     """
     t0 = time.perf_counter()
     ckpt = tier.open_checkpoint(run_id, step)
@@ -58,12 +81,13 @@ def fetch(tier: Tier, run_id: str, step: int, dst_dir: str, *, threads: int | No
     workers = max(1, min(threads or 4, len(items)))
     try:
         td = time.perf_counter()
-        local = _download(tier, ckpt, items, part, stored, workers)
+        local = _download(tier, ckpt, items, part, stored, workers, progress)
         res.download_seconds = time.perf_counter() - td
         tz = time.perf_counter()
         if ckpt.index.codec != "none":
             codec_threads = tier.config.codec_threads
-            run_all(lambda it: _decode(ckpt, it[0], local[it[0]], part, codec_threads), items, workers)
+            run_all(lambda it: _decode(ckpt, it[0], local[it[0]], part, codec_threads, progress),
+                    items, workers)
         res.decompress_seconds = time.perf_counter() - tz
         with open(os.path.join(part, layout.MANIFEST), "wb") as f:
             f.write(ckpt.manifest_bytes)
@@ -80,12 +104,13 @@ def fetch(tier: Tier, run_id: str, step: int, dst_dir: str, *, threads: int | No
 
 
 def _download(tier: Tier, ckpt: StoredCheckpoint, items: list[tuple[str, StoredFile]], part: str,
-              stored: str, workers: int) -> dict[str, str]:
+              stored: str, workers: int, progress: Progress | None = None) -> dict[str, str]:
     """Phase 1. Returns, per file, the local path of its stored bytes (checked)."""
     raw = ckpt.index.codec == "none"
     if tier.commits_by_rename and not raw:
         return {n: ckpt.object_url(n) for n, _ in items}  # decoded straight from the tier
     manager = tier.s3.transfer_manager() if (tier.s3 and not tier.commits_by_rename) else None
+    loader = manager if manager is None or progress is None else _ReportingManager(manager, progress)
 
     def one(item: tuple[str, StoredFile]) -> tuple[str, str]:
         name, f = item
@@ -94,11 +119,16 @@ def _download(tier: Tier, ckpt: StoredCheckpoint, items: list[tuple[str, StoredF
         os.makedirs(os.path.dirname(dest), exist_ok=True)
         try:
             if tier.commits_by_rename:
-                shutil.copyfile(url, dest)
-            elif manager is not None:
-                tier.s3.download(manager, url, dest)
+                if progress is None:
+                    shutil.copyfile(url, dest)
+                else:
+                    _copy_reporting(url, dest, progress)
+            elif loader is not None:
+                tier.s3.download(loader, url, dest)
             else:
                 tier.fs.get_file(url, dest)
+                if progress is not None:
+                    progress(f.stored_size)
         except FileNotFoundError:
             raise IntegrityError(f"{url}: missing although {ckpt.uri} is committed; restore from "
                                  "another tier or an older checkpoint", path=url) from None
@@ -120,7 +150,8 @@ def _download(tier: Tier, ckpt: StoredCheckpoint, items: list[tuple[str, StoredF
             manager.shutdown()
 
 
-def _decode(ckpt: StoredCheckpoint, name: str, src_path: str, part: str, threads: int | None) -> None:
+def _decode(ckpt: StoredCheckpoint, name: str, src_path: str, part: str, threads: int | None,
+            progress: Progress | None = None) -> None:
     """Phase 2: one stored file to its raw name; raw digest must equal the manifest's."""
     url = ckpt.object_url(name)
     dest = _inside(part, name)
@@ -128,7 +159,8 @@ def _decode(ckpt: StoredCheckpoint, name: str, src_path: str, part: str, threads
     entry = ckpt.manifest.files[name]
     try:
         with open(src_path, "rb") as f, open(dest, "wb") as out:
-            st = get_codec(ckpt.index.codec).decompress(f, out, threads=threads, name=url)
+            sink: Any = out if progress is None else _ReportingWriter(out, progress)
+            st = get_codec(ckpt.index.codec).decompress(f, sink, threads=threads, name=url)
     except FileNotFoundError:
         raise IntegrityError(f"{url}: missing although {ckpt.uri} is committed; restore from "
                              "another tier or an older checkpoint", path=url) from None
@@ -143,3 +175,50 @@ def _inside(root: str, name: str) -> str:
     if not os.path.abspath(path).startswith(os.path.abspath(root) + os.sep):
         raise IntegrityError(f"{name!r} resolves outside {root}; refusing", path=path)
     return path
+
+
+def _copy_reporting(src: str, dst: str, progress: Progress) -> None:
+    """``shutil.copyfile`` in blocks, reporting each (used only when someone listens)."""
+    with open(src, "rb") as fi, open(dst, "wb") as fo:
+        while block := fi.read(_COPY_BLOCK):
+            fo.write(block)
+            progress(len(block))
+
+
+class _ReportingWriter:
+    """A decoder's output stream that reports every write (decoders only write and flush)."""
+
+    def __init__(self, f: Any, progress: Progress) -> None:
+        self._f, self._progress = f, progress
+
+    def write(self, b: bytes | bytearray | memoryview) -> int:
+        n = self._f.write(b)
+        self._progress(len(b) if not isinstance(b, memoryview) else b.nbytes)
+        return n
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+class _ReportingManager:
+    """An s3transfer manager whose downloads also report bytes (``S3Objects.download`` is
+    reused unchanged, with its error mapping; only a subscriber is added)."""
+
+    def __init__(self, manager: Any, progress: Progress) -> None:
+        self._manager, self._progress = manager, progress
+
+    def download(self, bucket: str, key: str, fileobj: Any, extra_args: Any = None,
+                 subscribers: Any = None) -> Any:
+        from s3transfer.subscribers import BaseSubscriber
+
+        report = self._progress
+
+        class _Sub(BaseSubscriber):
+            def on_progress(self, future: Any, bytes_transferred: int, **kwargs: Any) -> None:
+                report(bytes_transferred)
+
+        return self._manager.download(bucket, key, fileobj, extra_args=extra_args,
+                                      subscribers=[*(subscribers or []), _Sub()])
+
+    def shutdown(self) -> None:
+        self._manager.shutdown()

@@ -8,13 +8,18 @@ better answer than an older step on hot — less training is lost.
 Each candidate is read under a lease (prune leaves it alone meanwhile) and fetched
 with every byte checked; a damaged, missing or quarantined one is skipped and named
 in the result, never loaded.
+
+``progress`` (optional) hears the bytes of each fetch as it happens; when a candidate
+is skipped half-way, the bytes it had reported are taken back with one negative call,
+so the sum always describes the candidate being fetched now.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from trainer.errors import CheckpointNotFoundError, CkptflowError, CodecError, IntegrityError
 
@@ -28,7 +33,7 @@ log = logging.getLogger(__name__)
 
 def restore(tiers: Sequence[Tier], run_id: str, dst_dir: str, *, step: int | None = None,
             threads: int | None = None, holder: str | None = None,
-            lease_ttl_s: float = 3600.0) -> RestoreResult:
+            lease_ttl_s: float = 3600.0, progress: Callable[[int], None] | None = None) -> RestoreResult:
     """Fetch the newest good checkpoint of ``run_id`` (or exactly ``step``) into ``dst_dir``.
 
     ``tiers`` in restore order (hot, warm, cold). Raises CheckpointNotFoundError, listing
@@ -40,21 +45,25 @@ def restore(tiers: Sequence[Tier], run_id: str, dst_dir: str, *, step: int | Non
     for pos, tier in enumerate(tiers):
         try:
             steps = tier.committed_steps(run_id)
-        except OSError as e:  # an unreachable tier must not stop a restore from the others
-            skipped.append(Skipped(tier.url, -1, tier.name, f"cannot list the tier: {e}"))
+        except Exception as e:  # an unreachable tier must not stop a restore from the others
+            # (not only OSError: s3fs passes botocore's EndpointConnectionError through)
+            skipped.append(Skipped(tier.url, -1, tier.name, f"cannot list the tier: {type(e).__name__}: {e}"))
             continue
         candidates += [(s, pos, tier) for s in steps if step is None or s == step]
     candidates.sort(key=lambda c: (-c[0], c[1]))
 
     for s, _, tier in candidates:
         uri = tier.url_for(run_id, s)
+        counted = _Counted(progress) if progress is not None else None
         try:
             if tier.is_quarantined(run_id, s):
                 skipped.append(Skipped(uri, s, tier.name, "quarantined by the verify stage"))
                 continue
             with _lease(tier, run_id, s, holder, lease_ttl_s):
-                got = fetch(tier, run_id, s, dst_dir, threads=threads)
+                got = fetch(tier, run_id, s, dst_dir, threads=threads, progress=counted)
         except (IntegrityError, CodecError, CheckpointNotFoundError, OSError) as e:
+            if counted is not None:
+                counted.take_back()
             # OSError includes StorageError: a tier failing mid-read is one more reason to
             # try the next candidate, not to give up on the restore.
             reason = str(e) if isinstance(e, CkptflowError) else f"{type(e).__name__}: {e}"
@@ -89,3 +98,23 @@ class _lease:
     def __exit__(self, *exc: object) -> None:
         if self._held:
             self._cm.__exit__(*exc)
+
+
+class _Counted:
+    """Forwards byte counts and remembers their sum, to take them back if the candidate fails."""
+
+    def __init__(self, progress: Callable[[int], None]) -> None:
+        self._progress = progress
+        self._lock = threading.Lock()
+        self._sum = 0
+
+    def __call__(self, n: int) -> None:
+        with self._lock:
+            self._sum += n
+        self._progress(n)
+
+    def take_back(self) -> None:
+        with self._lock:
+            n, self._sum = self._sum, 0
+        if n:
+            self._progress(-n)
