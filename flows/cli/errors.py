@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import sys
 
 import typer
@@ -40,6 +42,16 @@ def run_cli(app: typer.Typer, argv: list[str] | None = None) -> int:
         return EXIT_NOT_FOUND
     except PermissionError as e:
         print(f"ckptflow: error: permission denied: {e.filename}; check the path's owner and mode",
+              file=sys.stderr)
+        return EXIT_ERROR
+    except Exception as e:
+        # Anything else (a botocore connection error, a server that went away): still one
+        # line, with URLs' query strings (signed URLs, tokens) cut off. The traceback is
+        # there for whoever asks.
+        if os.environ.get("CKPTFLOW_DEBUG"):
+            raise
+        msg = re.sub(r"(https?://[^\s?'\"]+)\?[^\s'\"]*", r"\1?…", str(e))
+        print(f"ckptflow: error: {type(e).__name__}: {msg} (set CKPTFLOW_DEBUG=1 for the traceback)",
               file=sys.stderr)
         return EXIT_ERROR
     return EXIT_OK
