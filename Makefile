@@ -25,6 +25,8 @@ bench: setup
 	$(BIN)/python -m benchmarks.bench_trainer
 	$(BIN)/python -m benchmarks.bench_codec
 	$(BIN)/python -m benchmarks.bench_storage
+	$(BIN)/python -m benchmarks.bench_restore
+	$(BIN)/python -m benchmarks.bench_event_latency
 
 clean:
 	rm -rf $(VENV) .ckptflow .pytest_cache
