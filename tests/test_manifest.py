@@ -98,3 +98,14 @@ def test_cli_verify_exit_codes(tiny_run, tmp_path):
     js = subprocess.run([PY, "-m", "flows.cli.main", "verify", "--json", str(d)], cwd=REPO,
                         capture_output=True, text=True)
     assert json.loads(js.stdout)["ok"] is False
+
+
+def test_sanity_builder_must_be_allowed(monkeypatch):
+    from trainer.errors import ConfigError
+    from trainer.sanity import BUILDERS_ENV, resolve_builder
+
+    assert callable(resolve_builder("trainer.reference:build"))
+    with pytest.raises(ConfigError, match="not allowed"):
+        resolve_builder("os:system")
+    monkeypatch.setenv(BUILDERS_ENV, "trainer.model:count_parameters, other:fn")
+    assert callable(resolve_builder("trainer.model:count_parameters"))

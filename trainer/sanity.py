@@ -39,10 +39,30 @@ from trainer.loader import load_verified
 from trainer.resume import _verify_together
 
 
+BUILDERS_ENV = "CKPTFLOW_SANITY_BUILDERS"
+
+
+def allowed_builders() -> set[str]:
+    """Builders the sanity step may import: the reference job's, plus ``$CKPTFLOW_SANITY_BUILDERS``
+    (comma-separated ``module:function``; register your own model's builder there)."""
+    from trainer.reference import BUILDER
+
+    extra = os.environ.get(BUILDERS_ENV, "")
+    return {BUILDER} | {b.strip() for b in extra.split(",") if b.strip()}
+
+
 def resolve_builder(name: str):
-    mod, _, fn = name.partition(":")
+    """Import the builder a manifest names — only if it is on the allow-list.
+
+    The name comes from storage: importing whatever a manifest says would let an
+    edited manifest run code from any installed module, checksums or not.
+    """
+    mod, _, fn = str(name).partition(":")
     if not mod or not fn:
         raise ConfigError(f"sanity builder {name!r} must be 'module:function'")
+    if name not in allowed_builders():
+        raise ConfigError(f"sanity builder {name!r} named by the manifest is not allowed; add it to "
+                          f"${BUILDERS_ENV} (comma-separated module:function) if it is your model's builder")
     return getattr(importlib.import_module(mod), fn)
 
 
