@@ -176,7 +176,7 @@ def _table(cfg: Any, rows: list[Row], layout: Any) -> None:
         tbl.add_column(col, justify=just, no_wrap=True)
     for n in names:
         tbl.add_column(f"stored {n}", justify="right", no_wrap=True)
-    tbl.add_column("stages", no_wrap=True)
+    tbl.add_column("stages", no_wrap=True)  # initials, legend under the table (keeps 80 columns)
     tbl.add_column("status", overflow="fold", min_width=12)  # the one column that wraps (reasons)
     tbl.add_column("pinned", no_wrap=True)
     tbl.add_column("latest", no_wrap=True)
@@ -184,9 +184,14 @@ def _table(cfg: Any, rows: list[Row], layout: Any) -> None:
         style = "red" if r.quarantined or r.problems else ("green" if r.verified else "yellow")
         tbl.add_row(r.run_id, str(r.step), ",".join(r.tiers) or "-", human_bytes(r.raw_bytes),
                     *[human_bytes(r.stored_bytes.get(n)) for n in names],
-                    ",".join(r.stages) or "-", Text(status_text(r), style=style),
+                    "".join(STAGE_MARK.get(x, "?") for x in r.stages) or "-", Text(status_text(r), style=style),
                     ",".join(r.pinned) or "-", ",".join(r.latest) or "-")
     con.print(tbl)
+    con.print("stages: V verified, C compressed, P promoted, A archived, R retention applied (from the hot "
+              "run's _lifecycle records; --json gives the names)")
+
+
+STAGE_MARK = {"verified": "V", "compressed": "C", "promoted": "P", "archived": "A", "pruned": "R"}
 
 
 def register(app: typer.Typer) -> None:
