@@ -82,6 +82,20 @@ def lifecycle(run_id: str, step: int, uri: str = "", root: str | None = None,
     base = load_config(config)
     cfg = with_hot_root(base, hot_root_for(base, uri, root))
     run_path = layout.run_dir(cfg.hot.url, run_id)
+    with records.Heartbeat(run_path, step, owner={"flow_run_id": _flow_run_id()}):
+        return _stages(cfg, run_path, run_id, step, uri, t0)
+
+
+def _flow_run_id() -> str | None:
+    try:
+        from prefect.runtime import flow_run
+
+        return str(flow_run.id) if flow_run.id else None
+    except Exception:
+        return None
+
+
+def _stages(cfg: CkptflowConfig, run_path: str, run_id: str, step: int, uri: str, t0: float) -> dict[str, Any]:
     out: dict[str, Any] = {"run_id": run_id, "step": step, "uri": uri or layout.join(run_path, layout.step_name(step))}
 
     v = verify_task(run_path, run_id, step, cfg)

@@ -43,8 +43,8 @@ def unfinished_steps(run_path: str) -> list[int]:
     return out
 
 
-def in_flight_lifecycles(run_id: str) -> set[int]:
-    """Steps of ``run_id`` whose lifecycle flow run is pending, scheduled or running."""
+def in_flight_lifecycles(run_id: str) -> dict[int, str]:
+    """Steps of ``run_id`` whose lifecycle flow run is pending, scheduled or running -> run id."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (
         FlowRunFilter,
@@ -60,12 +60,24 @@ def in_flight_lifecycles(run_id: str) -> set[int]:
             name=FlowRunFilterName(like_=prefix),
             state=FlowRunFilterState(type=FlowRunFilterStateType(
                 any_=[StateType.PENDING, StateType.SCHEDULED, StateType.RUNNING]))), limit=200)
-    steps = set()
+    steps: dict[int, str] = {}
     for r in runs:
         tail = r.name[len(prefix):] if r.name.startswith(prefix) else ""
         if tail.isdigit():
-            steps.add(int(tail))
+            steps[int(tail)] = str(r.id)
     return steps
+
+
+def mark_crashed(flow_run_id: str, why: str) -> None:
+    """Tell the server a run whose process is gone has crashed (it cannot say so itself)."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Crashed
+
+    try:
+        with get_client(sync_client=True) as c:
+            c.set_flow_run_state(flow_run_id, Crashed(message=why), force=True)
+    except Exception as e:  # bookkeeping only: the lifecycle re-runs either way
+        get_run_logger().warning("could not mark flow run %s crashed: %s", flow_run_id, e)
 
 
 def age_moves(cfg: CkptflowConfig, run_id: str, now: float) -> list[dict[str, Any]]:
@@ -102,12 +114,18 @@ def reconcile(root: str | None = None, config: str | None = None, tmp_older_than
     for run_id in hot.list_runs():
         run_path = layout.run_dir(cfg.hot.url, run_id)
         todo = unfinished_steps(run_path)
-        busy = in_flight_lifecycles(run_id) if todo else set()
+        busy = in_flight_lifecycles(run_id) if todo else {}
         done = []
         for s in todo:
             if s in busy:
-                log.info("%s step %d: lifecycle already running, left alone", run_id, s)
-                continue
+                if records.heartbeat_alive(records.read_heartbeat(run_path, s)):
+                    log.info("%s step %d: lifecycle already running, left alone", run_id, s)
+                    continue
+                # RUNNING on the server, but its process is gone (no live heartbeat): a killed
+                # worker. Say so on the server and take the work over.
+                log.warning("%s step %d: lifecycle run %s shows as running but its process is gone; "
+                            "marking it crashed and running the lifecycle again", run_id, s, busy[s])
+                mark_crashed(busy[s], "reconcile: no live heartbeat from the process running this lifecycle")
             log.info("%s step %d: committed but its lifecycle never finished; running it now", run_id, s)
             if run_lifecycles:
                 res = lifecycle(run_id=run_id, step=s, uri=layout.join(run_path, layout.step_name(s)),

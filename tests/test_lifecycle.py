@@ -257,3 +257,32 @@ def test_reconcile_processes_commits_missed_while_the_server_was_down(prefect_ap
     assert cold_steps(s3_endpoint, s3_bucket, "down") == {2, 4}
     again = reconcile(config=cfg)  # nothing left: no duplicate work
     assert again["runs"]["down"]["unfinished"] == [] and again["runs"]["down"]["processed"] == []
+
+
+def test_reconcile_takes_over_a_lifecycle_whose_process_died(prefect_api, s3_endpoint, s3_bucket, tmp_path, run_copy):
+    """SIGKILL mid-lifecycle leaves the flow run RUNNING on the server forever; reconcile sees
+    that its process is gone (heartbeat), marks the run crashed and finishes the work."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    from flows.reconcile import reconcile
+
+    cfg = write_config(tmp_path, run_copy, s3_endpoint, s3_bucket, hot_keep=5, warm_keep=5, cold_keep=5,
+                       sanity=False)
+    flt = FlowRunFilter(name=FlowRunFilterName(any_=["lifecycle-tiny-step6"]))
+    with get_client(sync_client=True) as c:  # other tests of this session used the same name
+        earlier = {x.id for x in c.read_flow_runs(flow_run_filter=flt)}
+    code = ("from flows.lifecycle import lifecycle; "
+            f"lifecycle(run_id='tiny', step=6, uri='{step_dir(run_copy / 'tiny', 6)}', config='{cfg}')")
+    env = dict(torchrun_env(), PREFECT_API_URL=prefect_api, CKPTFLOW_FAULT="archive.uploaded@6")
+    r = subprocess.run([PY, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == -9, r.stderr[-2000:]
+    with get_client(sync_client=True) as c:
+        assert [x.state_type.value for x in c.read_flow_runs(flow_run_filter=flt) if x.id not in earlier] == ["RUNNING"]
+    out = reconcile(config=cfg)
+    assert 6 in [x["step"] for x in out["runs"]["tiny"]["processed"]]
+    assert 6 in cold_steps(s3_endpoint, s3_bucket, "tiny")
+    with get_client(sync_client=True) as c:
+        states = sorted(x.state_type.value for x in c.read_flow_runs(flow_run_filter=flt) if x.id not in earlier)
+    assert states == ["COMPLETED", "CRASHED"], states
+    assert reconcile(config=cfg)["runs"]["tiny"]["processed"] == []  # nothing twice
