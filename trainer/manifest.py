@@ -8,7 +8,8 @@ needs to rebuild the model and recompute a probe loss.
 
 Optional signing: with ``CKPTFLOW_MANIFEST_KEY`` set (or a key passed in), the
 manifest carries an HMAC-SHA256 over its canonical JSON; with a key configured an
-unsigned or tampered manifest is refused everywhere it is read.
+unsigned or tampered manifest is refused everywhere it is read. Flows may instead name
+a Prefect Secret block (``CKPTFLOW_MANIFEST_KEY_BLOCK``): see :func:`signing_key`.
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ from typing import Any
 
 from trainer import layout
 from trainer.checksum import ALGORITHM
-from trainer.errors import IntegrityError, ManifestError, UnsafePathError
+from trainer.errors import ConfigError, IntegrityError, ManifestError, UnsafePathError
 
 FORMAT = "ckptflow.manifest"
 FORMAT_VERSION = 1
 KEY_ENV = "CKPTFLOW_MANIFEST_KEY"
+KEY_BLOCK_ENV = "CKPTFLOW_MANIFEST_KEY_BLOCK"
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest larger than this is not ours: refuse early
 
 
@@ -146,9 +148,39 @@ class Manifest:
 
 
 def signing_key() -> bytes | None:
-    """The HMAC key from the environment, if one is configured."""
+    """The HMAC key, if one is configured: ``CKPTFLOW_MANIFEST_KEY``, else the Prefect Secret
+    block ``CKPTFLOW_MANIFEST_KEY_BLOCK`` names.
+
+    The block is read only in a process that has already imported prefect (flows, their
+    workers): the training hot path never imports it and reads the variable alone. The
+    value is then exported as ``CKPTFLOW_MANIFEST_KEY`` so later reads are a dictionary
+    lookup and child processes (the sanity step, a drill's torchrun) inherit it. A block
+    named but not readable here fails closed: silently skipping authentication would
+    accept exactly the manifests signing exists to refuse.
+    """
     k = os.environ.get(KEY_ENV)
+    if not k and os.environ.get(KEY_BLOCK_ENV):
+        k = _key_from_block(os.environ[KEY_BLOCK_ENV])
     return k.encode() if k else None
+
+
+def _key_from_block(name: str) -> str:
+    import sys
+
+    if "prefect" not in sys.modules:
+        raise ConfigError(f"{KEY_BLOCK_ENV}={name!r} names a Prefect Secret block, which is read only "
+                          f"inside Prefect flows; this process must get the key itself: set {KEY_ENV}")
+    try:
+        from prefect.blocks.system import Secret
+
+        value = Secret.load(name, _sync=True).value.get_secret_value()
+    except Exception as e:  # the block's value never appears in the message
+        raise ConfigError(f"{KEY_BLOCK_ENV}: cannot read the Prefect Secret block {name!r} "
+                          f"({type(e).__name__}); create it, or set {KEY_ENV}") from None
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{KEY_BLOCK_ENV}: the Secret block {name!r} must hold a non-empty string")
+    os.environ[KEY_ENV] = value
+    return value
 
 
 def _canonical(body: dict[str, Any]) -> bytes:
