@@ -111,7 +111,9 @@ class S3Objects:
         try:
             manager.download(bucket, key, path).result()
         except Exception as e:
-            code = getattr(e, "response", {}).get("Error", {}).get("Code") if hasattr(e, "response") else None
+            # botocore's connection errors carry response=None once its retries run out
+            resp = getattr(e, "response", None)
+            code = resp.get("Error", {}).get("Code") if isinstance(resp, dict) else None
             if code in ("404", "NoSuchKey", "NotFound"):
                 raise FileNotFoundError(url) from None
             raise storage_error(url, "download", e) from None
