@@ -29,12 +29,30 @@ from trainer.checksum import hash_bytes
 from trainer.errors import CheckpointNotFoundError, ManifestError, StorageError, UnsafePathError
 from trainer.fsutil import fsync_dir, remove_tree, rename_durable, replace_atomic
 from trainer.manifest import MAX_MANIFEST_BYTES, Manifest
+from trainer.verify import resolve_member
 
 from tasks.config import TierConfig
 from tasks.storage.index import TierIndex, identity_index, parse_marker
 from tasks.storage.s3 import S3Objects
 
 log = logging.getLogger(__name__)
+
+
+def _io_errors() -> tuple[type[BaseException], ...]:
+    """What a storage call may raise for a store that is down or refuses us.
+
+    s3fs translates most botocore errors into OSError, but lets connection errors
+    (``EndpointConnectionError``, a ``BotoCoreError``) out of ``exists``/``info``;
+    botocore is imported lazily because a tier of local folders never needs it.
+    """
+    try:
+        from botocore.exceptions import BotoCoreError
+    except ImportError:  # no S3 support installed: only OSError can happen
+        return (OSError, ValueError)
+    return (OSError, ValueError, BotoCoreError)
+
+
+_IO_ERRORS = _io_errors()
 
 DELETING_SUFFIX = ".deleting"  # a step dir being deleted: never committed, removed by clean_stale
 _MAX_RECORD = 1 << 20  # pins, leases, markers, `latest`: small by construction
@@ -54,9 +72,20 @@ class StoredCheckpoint:
     has_tier_index: bool
     """False on a tier that stores the trainer's files as they are (hot: no tier.json)."""
 
+    local: bool = False
+    """The tier is a local/shared file system, where a member may be a symlink."""
+
     def object_url(self, name: str) -> str:
-        """URL of the stored object of manifest file ``name``."""
-        return layout.join(self.uri, layout.check_member_name(self.index.files[name].stored_name))
+        """URL of the stored object of manifest file ``name``.
+
+        On a folder tier the name is resolved on disk too: a symlink leading out of the
+        checkpoint is refused before anything reads it (a matching digest would not
+        make an outside file part of this checkpoint).
+        """
+        stored = layout.check_member_name(self.index.files[name].stored_name)
+        if self.local:
+            return resolve_member(self.uri, stored)
+        return layout.join(self.uri, stored)
 
 
 class Tier:
@@ -198,7 +227,8 @@ class Tier:
             source = layout.join(uri, layout.TIER_MANIFEST)
             index, has_index = TierIndex.from_json(index_bytes, source=source), True
             index.check_against(manifest, manifest_bytes, source)
-        return StoredCheckpoint(self.name, uri, run_id, step, manifest, manifest_bytes, index, has_index)
+        return StoredCheckpoint(self.name, uri, run_id, step, manifest, manifest_bytes, index, has_index,
+                                local=self.commits_by_rename)
 
     def read_manifest(self, run_id: str, step: int) -> Manifest:
         """The authenticated trainer manifest of a committed checkpoint on this tier."""
@@ -213,7 +243,7 @@ class Tier:
     def exists(self, url: str) -> bool:
         try:
             return bool(self.fs.exists(url))
-        except (OSError, ValueError) as e:
+        except _IO_ERRORS as e:
             raise _wrap(url, "exists", e) from None
 
     def read_bytes(self, url: str, *, limit: int, missing_ok: bool = False) -> bytes | None:
@@ -225,7 +255,7 @@ class Tier:
             if missing_ok:
                 return None
             raise
-        except OSError as e:
+        except _IO_ERRORS as e:
             raise _wrap(url, "read", e) from None
         if len(data) > limit:
             raise ManifestError(f"{url}: larger than {limit} bytes; not a ckptflow record", path=url)
@@ -246,7 +276,7 @@ class Tier:
                 replace_atomic(url, data)
             else:
                 self.fs.pipe_file(url, data)
-        except OSError as e:
+        except _IO_ERRORS as e:
             raise _wrap(url, "write", e) from None
 
     def remove(self, url: str, *, missing_ok: bool = True) -> None:
@@ -255,7 +285,7 @@ class Tier:
         except FileNotFoundError:
             if not missing_ok:
                 raise
-        except OSError as e:
+        except _IO_ERRORS as e:
             raise _wrap(url, "delete", e) from None
 
     def ls_names(self, url: str) -> list[str]:
@@ -267,7 +297,7 @@ class Tier:
             return list(self.fs.ls(url, detail=False))
         except FileNotFoundError:
             return []
-        except OSError as e:
+        except _IO_ERRORS as e:
             raise _wrap(url, "list", e) from None
 
     # ---- pins -------------------------------------------------------------------
