@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 import time
 from concurrent.futures import Future
@@ -86,6 +87,23 @@ def my_files(all_files: set[str], rank: int, world: int) -> list[str]:
     return sorted(mine)
 
 
+def disk_full_hint(run_path: str, need: int) -> str:
+    """Say so when the failure is most likely a full disk.
+
+    DCP's zip writer reports ENOSPC as an opaque ``unexpected pos`` RuntimeError, so
+    the free space is checked instead: below what the last checkpoint took (or 16 MiB
+    before the first one), the file system is named as full.
+    """
+    try:
+        free = shutil.disk_usage(run_path if os.path.exists(run_path) else os.path.dirname(run_path)).free
+    except OSError:
+        return ""
+    if free >= max(need, 16 << 20):
+        return ""
+    return (f" (the disk is full: the file system holding {run_path} has {free} bytes free, the last "
+            f"checkpoint took {need}; free space, e.g. `ckptflow prune`, then resume)")
+
+
 @dataclass
 class SaveRequest:
     step: int
@@ -116,6 +134,7 @@ class AsyncSaver:
             raise ValueError(f"async mode {mode!r} is unknown; choose one of {ASYNC_MODES}")
         self.rank = rank
         self.group = ckpt_group
+        self._last_bytes = 0  # size of the last committed checkpoint: what the next one needs
         self.mode = mode
         self.writer_threads = writer_threads
         # Reused across saves: its CPU buffers are allocated once, then copied into.
@@ -224,12 +243,15 @@ class AsyncSaver:
             status, detail = outcome[0]
             if status != "ok":
                 raise SaveError(f"checkpoint of step {req.step} in {req.run_path} was not committed: "
-                                f"{detail}; earlier checkpoints are untouched")
+                                f"{detail}{disk_full_hint(req.run_path, self._last_bytes)}; "
+                                "earlier checkpoints are untouched")
             timing.bytes = int(detail)
+            self._last_bytes = timing.bytes
             done.set_result(timing)
         except BaseException as e:  # surface on the training thread at the next wait()
             if not isinstance(e, SaveError):
-                e = SaveError(f"checkpoint of step {req.step} in {req.run_path} failed: {e!r}; "
+                e = SaveError(f"checkpoint of step {req.step} in {req.run_path} failed: {e!r}"
+                              f"{disk_full_hint(req.run_path, self._last_bytes)}; "
                               "earlier checkpoints are untouched")
             done.set_exception(e)
 
