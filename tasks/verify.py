@@ -96,7 +96,7 @@ def verify_stage(run_path: str, step: int, *, sanity_step: bool = True, expectat
                                       "nothing to verify — check the run's committed steps")
     out = VerifyOutcome(run_id, step, False)
 
-    integ = verify_checkpoint(ckpt)
+    integ = verify_checkpoint(ckpt, expect=(run_id, step))
     faults.maybe_crash("verify.integrity", step)
     out.integrity = {"ok": integ.ok, "bytes": integ.bytes_checked, "seconds": integ.seconds,
                      "problems": [str(p) for p in integ.problems]}

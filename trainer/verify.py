@@ -88,8 +88,12 @@ def verify_checkpoint(
     only: list[str] | None = None,
     threads: int = 4,
     key: bytes | None = None,
+    expect: tuple[str, int] | None = None,
 ) -> VerifyResult:
     """Verify ``ckpt_dir``; ``only`` limits hashing to a subset (one rank's share).
+
+    ``expect=(run_id, step)``: the manifest must name that run and step (a checkpoint
+    copied under another run or step is someone else's, however intact).
 
     Never raises for a bad checkpoint: the result lists every problem found, so a
     report can name all of them. Use :meth:`VerifyResult.raise_if_bad` to fail.
@@ -104,6 +108,12 @@ def verify_checkpoint(
         res.manifest = read_manifest(ckpt_dir, key=key)
     except IntegrityError as e:
         res.problems.append(Problem(e.path or ckpt_dir, str(e)))
+        return res
+    got = (res.manifest.run_id, res.manifest.step)
+    if expect is not None and got != tuple(expect):
+        res.problems.append(Problem(os.path.join(ckpt_dir, layout.MANIFEST),
+                                    f"manifest is for {got[0]} step {got[1]}, not {expect[0]} step "
+                                    f"{expect[1]}; copied from another run or step"))
         return res
     names = sorted(res.manifest.files) if only is None else sorted(only)
     todo = [(n, res.manifest.files[n]) for n in names]
