@@ -23,6 +23,8 @@ import trainer.dcpmeta  # noqa: F401  (imports torch now, not inside the timed w
 from tasks.codec import DtypeMap, dtype_maps_for_checkpoint, get_codec
 from trainer import fsutil, layout
 from trainer.errors import CheckpointNotFoundError, ConfigError, IntegrityError
+from trainer.manifest import FORMAT as MANIFEST_FORMAT
+from trainer.manifest import MAX_MANIFEST_BYTES, read_manifest
 
 INDEX = "ckptflow-codec.json"
 INDEX_FORMAT = "ckptflow.codec-index"
@@ -82,6 +84,8 @@ def compress_dir(src_dir: str, dst_dir: str, codec: str = "bytegroup", level: in
     get_codec(codec)  # unknown names fail before any work
     names = _list_files(src_dir)
     _prepare_dst(src_dir, dst_dir)
+    if codec == "bytegroup":
+        _check_metadata(src_dir)
     maps: dict[str, DtypeMap] = dtype_maps_for_checkpoint(src_dir) if codec == "bytegroup" else {}
     report = DirReport(src_dir, dst_dir)
     for name in names:
@@ -101,6 +105,34 @@ def compress_dir(src_dir: str, dst_dir: str, codec: str = "bytegroup", level: in
     fsutil.replace_atomic(os.path.join(dst_dir, INDEX), (json.dumps(index, indent=1) + "\n").encode())
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _check_metadata(src_dir: str) -> None:
+    """Check DCP's ``.metadata`` against the manifest before parsing it, when there is one.
+
+    The tool works on any DCP directory, and its reader is a restricted unpickler
+    anyway; but in a ckptflow checkpoint (a manifest in ckptflow's format) nothing is
+    parsed before its checksum matches (a signed manifest is authenticated by
+    ``read_manifest`` too, and a damaged one is refused).
+    """
+    path = os.path.join(src_dir, layout.MANIFEST)
+    try:
+        with open(path, "rb") as f:
+            head = json.loads(f.read(MAX_MANIFEST_BYTES))
+    except (OSError, ValueError):
+        head = None
+    if not isinstance(head, dict) or head.get("format") != MANIFEST_FORMAT:
+        return  # not a ckptflow checkpoint: the restricted unpickler is the guard
+    from trainer.verify import check_file
+
+    entry = read_manifest(src_dir).files.get(layout.DCP_METADATA)
+    if entry is None:
+        raise IntegrityError(f"{src_dir}/{layout.MANIFEST}: does not list {layout.DCP_METADATA}; "
+                             "not a complete ckptflow checkpoint", path=src_dir)
+    problem = check_file(src_dir, layout.DCP_METADATA, entry.size, entry.checksum)
+    if problem is not None:
+        raise IntegrityError(f"{problem}; refusing to parse it (restore this step from another tier)",
+                             path=problem.path)
 
 
 def decompress_dir(src_dir: str, dst_dir: str, threads: int | None = None) -> DirReport:
