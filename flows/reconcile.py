@@ -75,7 +75,15 @@ def mark_crashed(flow_run_id: str, why: str) -> None:
 
     try:
         with get_client(sync_client=True) as c:
-            c.set_flow_run_state(flow_run_id, Crashed(message=why), force=True)
+            # Read back and retry: under load a forced transition was seen not to stick
+            # (the run still RUNNING afterwards), and a run left RUNNING misleads people.
+            for attempt in range(3):
+                res = c.set_flow_run_state(flow_run_id, Crashed(message=why), force=True)
+                if c.read_flow_run(flow_run_id).state_type.value == "CRASHED":
+                    return
+                time.sleep(0.5 * (attempt + 1))
+        get_run_logger().warning("flow run %s did not take the crashed state (%s)", flow_run_id,
+                                 getattr(res, "status", None))
     except Exception as e:  # bookkeeping only: the lifecycle re-runs either way
         get_run_logger().warning("could not mark flow run %s crashed: %s", flow_run_id, e)
 
@@ -128,9 +136,17 @@ def reconcile(root: str | None = None, config: str | None = None, tmp_older_than
                 mark_crashed(busy[s], "reconcile: no live heartbeat from the process running this lifecycle")
             log.info("%s step %d: committed but its lifecycle never finished; running it now", run_id, s)
             if run_lifecycles:
-                res = lifecycle(run_id=run_id, step=s, uri=layout.join(run_path, layout.step_name(s)),
-                                root=cfg.hot.url, config=config)
-                done.append({"step": s, "status": res.get("status")})
+                # One failing lifecycle (a store down past its retries, a quarantined step)
+                # must not hold back the steps and runs after it: its own run failed and
+                # alerted; reconcile records it and goes on, and the next pass retries it.
+                state = lifecycle(run_id=run_id, step=s, uri=layout.join(run_path, layout.step_name(s)),
+                                  root=cfg.hot.url, config=config, return_state=True)
+                if state.is_completed():
+                    done.append({"step": s, "status": state.result().get("status")})
+                else:
+                    log.error("%s step %d: lifecycle ended %s; the next reconcile retries it",
+                              run_id, s, state.name)
+                    done.append({"step": s, "status": "failed", "state": state.name})
         moved = age_moves(cfg, run_id, now)
         cleaned = []
         for t in cfg.tiers():
