@@ -24,6 +24,7 @@ from flows.cli import cmd_drill
 from flows.cli import cmd_advise
 from flows.cli import cmd_alerts
 from flows.cli import cmd_serve
+from flows.cli import cmd_chaos
 
 app = typer.Typer(
     name="ckptflow",
@@ -52,6 +53,7 @@ cmd_advise.register(app)
 cmd_codec.register(app)
 cmd_alerts.register(app)
 cmd_serve.register(app)
+cmd_chaos.register(app)
 
 
 def main() -> None:
