@@ -43,8 +43,14 @@ def unfinished_steps(run_path: str) -> list[int]:
     return out
 
 
-def in_flight_lifecycles(run_id: str) -> dict[int, str]:
-    """Steps of ``run_id`` whose lifecycle flow run is pending, scheduled or running -> run id."""
+def in_flight_lifecycles(run_id: str) -> dict[int, list[tuple[str, str, float]]]:
+    """Steps of ``run_id`` with lifecycle flow runs pending, scheduled or running.
+
+    Step -> [(flow run id, state type, seconds since it was created)], all of them: a
+    step killed twice leaves two RUNNING runs behind, and each must be dealt with. Runs
+    of no deployment (subflows of reconcile or of a script) count as RUNNING whatever
+    their state: only a deployment's run can be queued for a worker.
+    """
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (
         FlowRunFilter,
@@ -60,11 +66,16 @@ def in_flight_lifecycles(run_id: str) -> dict[int, str]:
             name=FlowRunFilterName(like_=prefix),
             state=FlowRunFilterState(type=FlowRunFilterStateType(
                 any_=[StateType.PENDING, StateType.SCHEDULED, StateType.RUNNING]))), limit=200)
-    steps: dict[int, str] = {}
+    steps: dict[int, list[tuple[str, str, float]]] = {}
+    now = time.time()
     for r in runs:
         tail = r.name[len(prefix):] if r.name.startswith(prefix) else ""
         if tail.isdigit():
-            steps[int(tail)] = str(r.id)
+            age = now - r.created.timestamp() if r.created else float("inf")
+            # Only a deployment's run waits for a worker; a subflow run that is not RUNNING
+            # belongs to a process that died between creating it and starting it.
+            state = r.state_type.value if r.deployment_id else "RUNNING"
+            steps.setdefault(int(tail), []).append((str(r.id), state, age))
     return steps
 
 
@@ -111,8 +122,12 @@ def age_moves(cfg: CkptflowConfig, run_id: str, now: float) -> list[dict[str, An
 
 @flow(name="ckptflow-reconcile", flow_run_name="reconcile", log_prints=True)
 def reconcile(root: str | None = None, config: str | None = None, tmp_older_than_s: float = 3600.0,
-              run_lifecycles: bool = True) -> dict[str, Any]:
-    """Process missed commits, move aged checkpoints, clean stale temporary dirs."""
+              run_lifecycles: bool = True, queued_grace_s: float = 600.0) -> dict[str, Any]:
+    """Process missed commits, move aged checkpoints, clean stale temporary dirs.
+
+    ``queued_grace_s``: a lifecycle run queued (scheduled/pending) for less than this is
+    left to its worker; older, it is taken over like a run whose process died.
+    """
     log = get_run_logger()
     base = load_config(config)
     cfg = with_hot_root(base, os.path.abspath(root)) if root else base
@@ -125,15 +140,23 @@ def reconcile(root: str | None = None, config: str | None = None, tmp_older_than
         busy = in_flight_lifecycles(run_id) if todo else {}
         done = []
         for s in todo:
-            if s in busy:
+            runs = busy.get(s, [])
+            if any(state != "RUNNING" and age < queued_grace_s for _, state, age in runs):
+                # queued (event-triggered, waiting for a worker slot): the worker will run it
+                log.info("%s step %d: lifecycle queued, left alone", run_id, s)
+                continue
+            if runs:
                 if records.heartbeat_alive(records.read_heartbeat(run_path, s)):
                     log.info("%s step %d: lifecycle already running, left alone", run_id, s)
                     continue
-                # RUNNING on the server, but its process is gone (no live heartbeat): a killed
-                # worker. Say so on the server and take the work over.
-                log.warning("%s step %d: lifecycle run %s shows as running but its process is gone; "
-                            "marking it crashed and running the lifecycle again", run_id, s, busy[s])
-                mark_crashed(busy[s], "reconcile: no live heartbeat from the process running this lifecycle")
+                # Running on the server but its process is gone (no live heartbeat: a killed
+                # worker), or queued for longer than any worker would take: say so on the
+                # server and take the work over.
+                for fr_id, state, _ in runs:
+                    log.warning("%s step %d: lifecycle run %s shows as %s but no process is running it; "
+                                "marking it crashed and running the lifecycle again", run_id, s, fr_id,
+                                state.lower())
+                    mark_crashed(fr_id, "reconcile: no live heartbeat from a process running this lifecycle")
             log.info("%s step %d: committed but its lifecycle never finished; running it now", run_id, s)
             if run_lifecycles:
                 # One failing lifecycle (a store down past its retries, a quarantined step)

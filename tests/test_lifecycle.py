@@ -274,15 +274,40 @@ def test_reconcile_takes_over_a_lifecycle_whose_process_died(prefect_api, s3_end
         earlier = {x.id for x in c.read_flow_runs(flow_run_filter=flt)}
     code = ("from flows.lifecycle import lifecycle; "
             f"lifecycle(run_id='tiny', step=6, uri='{step_dir(run_copy / 'tiny', 6)}', config='{cfg}')")
-    env = dict(torchrun_env(), PREFECT_API_URL=prefect_api, CKPTFLOW_FAULT="archive.uploaded@6")
-    r = subprocess.run([PY, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == -9, r.stderr[-2000:]
+    env = dict(torchrun_env(), PREFECT_API_URL=prefect_api, CKPTFLOW_FAULT="verify.integrity@6")
+    for _ in range(2):  # killed twice: two runs left RUNNING, both must be dealt with
+        r = subprocess.run([PY, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == -9, r.stderr[-2000:]
     with get_client(sync_client=True) as c:
-        assert [x.state_type.value for x in c.read_flow_runs(flow_run_filter=flt) if x.id not in earlier] == ["RUNNING"]
+        states = [x.state_type.value for x in c.read_flow_runs(flow_run_filter=flt) if x.id not in earlier]
+    assert states == ["RUNNING", "RUNNING"]
     out = reconcile(config=cfg)
     assert 6 in [x["step"] for x in out["runs"]["tiny"]["processed"]]
     assert 6 in cold_steps(s3_endpoint, s3_bucket, "tiny")
     with get_client(sync_client=True) as c:
         states = sorted(x.state_type.value for x in c.read_flow_runs(flow_run_filter=flt) if x.id not in earlier)
-    assert states == ["COMPLETED", "CRASHED"], states
+    assert states == ["COMPLETED", "CRASHED", "CRASHED"], states
     assert reconcile(config=cfg)["runs"]["tiny"]["processed"] == []  # nothing twice
+
+
+def test_reconcile_leaves_a_queued_lifecycle_to_its_worker_until_the_grace_runs_out(prefect_api, s3_endpoint,
+                                                                                     s3_bucket, tmp_path, run_copy):
+    """An event-triggered lifecycle waiting for a worker slot is not stolen; one queued
+    longer than ``queued_grace_s`` (no worker will come) is taken over."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Scheduled
+
+    from flows.lifecycle import lifecycle
+    from flows.reconcile import reconcile
+
+    cfg = write_config(tmp_path, run_copy, s3_endpoint, s3_bucket, hot_keep=5, warm_keep=5, cold_keep=5,
+                       sanity=False)
+    with get_client(sync_client=True) as c:
+        dep = c.create_deployment(flow_id=c.create_flow(lifecycle), name="queued-test")
+        queued = [c.create_flow_run_from_deployment(dep, name=f"lifecycle-tiny-step{s}", state=Scheduled()).id
+                  for s in (4, 6)]
+        out = reconcile(config=cfg)["runs"]["tiny"]
+        assert [x["step"] for x in out["processed"]] == [2] and {4, 6} <= set(out["in_flight"])
+        out = reconcile(config=cfg, queued_grace_s=0.0)["runs"]["tiny"]
+        assert [x["step"] for x in out["processed"]] == [4, 6]
+        assert [c.read_flow_run(q).state_type.value for q in queued] == ["CRASHED", "CRASHED"]
