@@ -86,8 +86,8 @@ def mark_crashed(flow_run_id: str, why: str) -> None:
 
     try:
         with get_client(sync_client=True) as c:
-            # Read back and retry: under load a forced transition was seen not to stick
-            # (the run still RUNNING afterwards), and a run left RUNNING misleads people.
+            # Read back: a transition the server did not take would leave the run showing
+            # RUNNING forever, which misleads people and the next reconcile alike.
             for attempt in range(3):
                 res = c.set_flow_run_state(flow_run_id, Crashed(message=why), force=True)
                 if c.read_flow_run(flow_run_id).state_type.value == "CRASHED":
@@ -159,7 +159,7 @@ def reconcile(root: str | None = None, config: str | None = None, tmp_older_than
                     mark_crashed(fr_id, "reconcile: no live heartbeat from a process running this lifecycle")
             log.info("%s step %d: committed but its lifecycle never finished; running it now", run_id, s)
             if run_lifecycles:
-                # One failing lifecycle (a store down past its retries, a quarantined step)
+                # One failing lifecycle (a store down past its retries, a step pruned under it)
                 # must not hold back the steps and runs after it: its own run failed and
                 # alerted; reconcile records it and goes on, and the next pass retries it.
                 state = lifecycle(run_id=run_id, step=s, uri=layout.join(run_path, layout.step_name(s)),

@@ -42,8 +42,8 @@ def _io_errors() -> tuple[type[BaseException], ...]:
     """What a storage call may raise for a store that is down or refuses us.
 
     s3fs translates most botocore errors into OSError, but lets connection errors
-    (``EndpointConnectionError``, a ``BotoCoreError``) out of ``exists``/``info``;
-    botocore is imported lazily because a tier of local folders never needs it.
+    (``EndpointConnectionError``, a ``BotoCoreError``) out of ``exists``/``info``.
+    botocore is optional: without it only folder tiers exist, which raise OSError.
     """
     try:
         from botocore.exceptions import BotoCoreError
