@@ -41,16 +41,16 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from trainer import layout
-from trainer.checkpointer import CheckpointConfig, CheckpointManager, Provenance, SanitySpec
-from trainer.data import GlobalSampler
-from trainer.distenv import DistEnv, init_distributed, shutdown
-from trainer.loader import load_verified, train_state
-from trainer.manifest import read_manifest
-from trainer.model import ModelConfig, lm_loss
-from trainer.reference import BUILDER, Built, TrainConfig, build
-from trainer.state import build_save_state, reseed_rng
-from trainer.verify import share_of_files, verify_checkpoint
+from ckptflow.trainer import layout
+from ckptflow.trainer.checkpointer import CheckpointConfig, CheckpointManager, Provenance, SanitySpec
+from ckptflow.trainer.reference.data import GlobalSampler
+from ckptflow.trainer.distenv import DistEnv, init_distributed, shutdown
+from ckptflow.trainer.loader import load_verified, train_state
+from ckptflow.trainer.manifest import read_manifest
+from ckptflow.trainer.reference.model import ModelConfig, lm_loss
+from ckptflow.trainer.reference.build import BUILDER, Built, TrainConfig, build
+from ckptflow.trainer.state import build_save_state, reseed_rng
+from ckptflow.trainer.verify import share_of_files, verify_checkpoint
 
 MODES_ORDER = ("async_staging", "thread", "process", "sync")
 READ_CHUNK = 8 << 20

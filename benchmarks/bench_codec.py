@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tasks.codec import DtypeMap, Range, dtype_maps_for_checkpoint, get_codec
-from trainer.model import ModelConfig, lm_loss
+from ckptflow.tasks.codec import DtypeMap, Range, dtype_maps_for_checkpoint, get_codec
+from ckptflow.trainer.reference.model import ModelConfig, lm_loss
 
 
 @dataclass
@@ -74,8 +74,8 @@ def minilm_weights() -> dict[str, torch.Tensor] | None:
 
 def train_reference(preset: str, steps: int):
     """The reference job (``trainer.reference``: its AdamW, schedule and data) after ``steps``."""
-    from trainer.data import GlobalSampler
-    from trainer.reference import build
+    from ckptflow.trainer.reference.data import GlobalSampler
+    from ckptflow.trainer.reference.build import build
 
     b = build({"model": ModelConfig.preset(preset).to_dict()}, parallel="none")
     sampler = GlobalSampler(b.cfg.data(), global_batch=b.cfg.global_batch, rank=0, world_size=1)
@@ -199,7 +199,7 @@ def entropy_bound(tensors: dict[str, torch.Tensor], block: int = 128 << 10) -> f
     """
     import numpy as np
 
-    from tasks.codec.grouping import kind_for_dtype, split
+    from ckptflow.tasks.codec.grouping import kind_for_dtype, split
 
     raw_bits = coded_bits = 0.0
     by: dict[str, list[torch.Tensor]] = {}

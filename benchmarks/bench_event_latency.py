@@ -22,8 +22,8 @@ import sys
 import tempfile
 import time
 
-from flows.demo import services
-from flows.demo.procs import Supervisor
+from ckptflow.demo import services
+from ckptflow.demo.procs import Supervisor
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,20 +44,20 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.update(PREFECT_API_URL=api, PREFECT_HOME=os.path.join(wd, "prefect"),
                               PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_LOGGING_LEVEL="WARNING")
             env = dict(os.environ)
-            sup.start("serve", [sys.executable, "-m", "flows.serve", "--config", cfg, "--reconcile-every", "3600"],
+            sup.start("serve", [sys.executable, "-m", "ckptflow.flows.serve", "--config", cfg, "--reconcile-every", "3600"],
                       env=env, log=open(os.path.join(logs, "serve.log"), "w"))
-            from flows.demo.runner import _wait_deployments
+            from ckptflow.demo.runner import _wait_deployments
 
             _wait_deployments(["ckptflow-lifecycle/lifecycle"], 90)
             time.sleep(3)
             n = a.checkpoints
-            subprocess.run([sys.executable, "-m", "trainer.train", "--parallel", "none", "--ckpt-root",
+            subprocess.run([sys.executable, "-m", "ckptflow.trainer.train", "--parallel", "none", "--ckpt-root",
                             f"{wd}/hot", "--run-id", "lat", "--model", "tiny", "--max-steps", str(4 * n),
                             "--save-every", "4", "--step-sleep", "0.5"], env=env, check=True, capture_output=True)
             from prefect.client.orchestration import get_client
             from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 
-            from trainer.events import read_outbox
+            from ckptflow.trainer.events import read_outbox
 
             outbox = {int(x["step"]): x["committed_at"] for x in read_outbox(f"{wd}/hot/lat")}
             deadline = time.monotonic() + 300

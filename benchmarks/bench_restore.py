@@ -29,7 +29,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from flows.demo.services import DEMO_AWS, free_port, wait_http
+from ckptflow.demo.services import DEMO_AWS, free_port, wait_http
 
 
 def plain_ranged_get(endpoint: str, bucket: str, keys: list[tuple[str, int]], dst: str, *, part: int,
@@ -79,13 +79,13 @@ def main(argv: list[str] | None = None) -> int:
         wait_http(endpoint, 60, "moto", moto)
         import boto3
 
-        from tasks.config import RetentionPolicy, TierConfig
-        from tasks.storage import Tier
-        from tasks.transfer import archive, fetch
+        from ckptflow.tasks.config import RetentionPolicy, TierConfig
+        from ckptflow.tasks.storage import Tier
+        from ckptflow.tasks.transfer import archive, fetch
 
         boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="bench")
         hot_root = os.path.join(work, "hot")
-        subprocess.run([sys.executable, "-m", "trainer.train", "--parallel", "none", "--ckpt-root", hot_root,
+        subprocess.run([sys.executable, "-m", "ckptflow.trainer.train", "--parallel", "none", "--ckpt-root", hot_root,
                         "--run-id", "b", "--model", a.model, "--max-steps", "4", "--save-every", "4"],
                        check=True, capture_output=True)
         hot = Tier(TierConfig(name="hot", url=hot_root))

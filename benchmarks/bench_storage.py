@@ -37,9 +37,9 @@ import threading
 import time
 import uuid
 
-from tasks.config import TierConfig
-from tasks.storage import Tier
-from tasks.transfer import archive, promote
+from ckptflow.tasks.config import TierConfig
+from ckptflow.tasks.storage import Tier
+from ckptflow.tasks.transfer import archive, promote
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = "b"
@@ -48,7 +48,7 @@ CODECS = ("none", "zstd", "bytegroup")  # bytegroup: the default of the example 
 
 
 def make_checkpoint(root: str, model: str) -> None:
-    cmd = [sys.executable, "-m", "trainer.train", "--ckpt-root", root, "--run-id", RUN,
+    cmd = [sys.executable, "-m", "ckptflow.trainer.train", "--ckpt-root", root, "--run-id", RUN,
            "--max-steps", str(STEP), "--save-every", str(STEP), "--model", model, "--parallel", "none"]
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
     env.pop("PREFECT_API_URL", None)

@@ -112,7 +112,7 @@ def run_e2e(a: argparse.Namespace, workdir: str) -> dict[str, Any]:
     for name, extra in (("no_save", ["--run-id", "nosave", "--no-save"]),
                         ("save", ["--run-id", "save", "--save-every", str(every)])):
         load_before = os.getloadavg()[0]
-        wall = torchrun("trainer.train", common + extra, os.path.join(workdir, f"e2e-{name}.log"), timeout=3600)
+        wall = torchrun("ckptflow.trainer.train", common + extra, os.path.join(workdir, f"e2e-{name}.log"), timeout=3600)
         rid = extra[1]
         with open(os.path.join(workdir, "e2e", rid, "metrics.jsonl"), encoding="utf-8") as f:
             t = {r["step"]: r["t"] for r in map(json.loads, f)}

@@ -157,7 +157,7 @@ def notify_on_failure(flow, flow_run, state) -> None:  # noqa: ANN001 - Prefect 
     url = os.environ.get(WEBHOOK_ENV)
     if not url:
         try:
-            from tasks.config import load_config
+            from ckptflow.tasks.config import load_config
 
             url = load_config(None).drill.webhook_url
         except Exception:

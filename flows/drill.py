@@ -18,14 +18,14 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
-from flows import events as fev
-from flows.alerts import notify_on_failure
-from tasks.config import CkptflowConfig, load_config
-from tasks.drill import append_history, drill_one, pick_steps, read_history
-from tasks.report import drill_markdown, plot_drill, read_metrics
-from tasks.storage import Tier
-from trainer import layout
-from trainer.errors import ConfigError
+from ckptflow.flows import events as fev
+from ckptflow.flows.alerts import notify_on_failure
+from ckptflow.tasks.config import CkptflowConfig, load_config
+from ckptflow.tasks.drill import append_history, drill_one, pick_steps, read_history
+from ckptflow.tasks.report import drill_markdown, plot_drill, read_metrics
+from ckptflow.tasks.storage import Tier
+from ckptflow.trainer import layout
+from ckptflow.trainer.errors import ConfigError
 
 
 def drill_tier(cfg: CkptflowConfig) -> Tier:
@@ -114,7 +114,7 @@ def _drill_id() -> str:
 
 
 def _as_result(d: dict[str, Any]):
-    from tasks.drill import DrillResult
+    from ckptflow.tasks.drill import DrillResult
 
     keep = {k: v for k, v in d.items() if k in DrillResult.__dataclass_fields__}
     return DrillResult(**keep)

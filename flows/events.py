@@ -12,7 +12,7 @@ import logging
 import uuid
 from typing import Any
 
-from trainer.events import event_id, resource_id
+from ckptflow.trainer.events import event_id, resource_id
 
 log = logging.getLogger(__name__)
 

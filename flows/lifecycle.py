@@ -20,12 +20,12 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
-from flows import events as fev
-from flows.stages import archive_stage, compress_stage, promote_stage, prune_stage
-from tasks import records
-from tasks.config import CkptflowConfig, load_config
-from tasks.verify import verify_stage
-from trainer import layout
+from ckptflow.flows import events as fev
+from ckptflow.flows.stages import archive_stage, compress_stage, promote_stage, prune_stage
+from ckptflow.tasks import records
+from ckptflow.tasks.config import CkptflowConfig, load_config
+from ckptflow.tasks.verify import verify_stage
+from ckptflow.trainer import layout
 
 
 def hot_root_for(cfg: CkptflowConfig, uri: str, root: str | None) -> str:

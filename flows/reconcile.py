@@ -22,11 +22,11 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from flows.lifecycle import lifecycle, with_hot_root
-from tasks import records
-from tasks.config import CkptflowConfig, load_config
-from tasks.storage import Tier
-from trainer import commit, events, layout
+from ckptflow.flows.lifecycle import lifecycle, with_hot_root
+from ckptflow.tasks import records
+from ckptflow.tasks.config import CkptflowConfig, load_config
+from ckptflow.tasks.storage import Tier
+from ckptflow.trainer import commit, events, layout
 
 def unfinished_steps(run_path: str) -> list[int]:
     """Committed (on storage or in the outbox) and no terminal lifecycle record."""
@@ -101,7 +101,7 @@ def mark_crashed(flow_run_id: str, why: str) -> None:
 
 def age_moves(cfg: CkptflowConfig, run_id: str, now: float) -> list[dict[str, Any]]:
     """Copy checkpoints older than their tier's ``move_after_hours`` onto the next tier."""
-    from tasks.transfer import archive, promote
+    from ckptflow.tasks.transfer import archive, promote
 
     moved = []
     tiers = cfg.tiers()

@@ -1,6 +1,6 @@
 """Serve ckptflow's deployments from one process (the single-machine default).
 
-    PREFECT_API_URL=http://127.0.0.1:4200/api python -m flows.serve [--config ckptflow.toml]
+    PREFECT_API_URL=http://127.0.0.1:4200/api python -m ckptflow.flows.serve [--config ckptflow.toml]
 
 The same deployments as ``deployments/prefect.yaml`` (lifecycle on the commit event,
 reconcile on an interval, the restore drill on a cron), run by ``serve()`` instead of a
@@ -32,9 +32,9 @@ LIFECYCLE_PARAMETERS = {
 def deployments(config: str | None, reconcile_every_s: int):
     from prefect.events import DeploymentEventTrigger
 
-    from flows.lifecycle import lifecycle
-    from flows.reconcile import reconcile
-    from tasks.config import load_config
+    from ckptflow.flows.lifecycle import lifecycle
+    from ckptflow.flows.reconcile import reconcile
+    from ckptflow.tasks.config import load_config
 
     cfg = load_config(config)
     params = {"config": config} if config else {}
@@ -50,7 +50,7 @@ def deployments(config: str | None, reconcile_every_s: int):
                                 description="missed commits, age-based moves, stale .tmp clean-up"),
     ]
     try:
-        from flows.drill import restore_drill
+        from ckptflow.flows.drill import restore_drill
     except ImportError:  # the drill flow is optional in a minimal install
         restore_drill = None
     if restore_drill is not None:
@@ -64,7 +64,7 @@ def deployments(config: str | None, reconcile_every_s: int):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m flows.serve", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m ckptflow.flows.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None, help="ckptflow.toml (default: $CKPTFLOW_CONFIG, ./ckptflow.toml)")
     p.add_argument("--reconcile-every", type=int, default=300, help="seconds between reconcile runs")

@@ -15,11 +15,11 @@ from typing import Any
 
 from prefect import get_run_logger, task
 
-from tasks import records
-from tasks.config import CkptflowConfig
-from tasks.prune import prune_run, unsafe_on_hot  # noqa: F401 - unsafe_on_hot: moved there, kept importable
-from tasks.storage import Tier, acquire_lease
-from tasks.transfer import archive, compress, promote
+from ckptflow.tasks import records
+from ckptflow.tasks.config import CkptflowConfig
+from ckptflow.tasks.prune import prune_run, unsafe_on_hot  # noqa: F401 - unsafe_on_hot: moved there, kept importable
+from ckptflow.tasks.storage import Tier, acquire_lease
+from ckptflow.tasks.transfer import archive, compress, promote
 
 IO_RETRIES = dict(retries=3, retry_delay_seconds=[1, 5, 15])
 
@@ -30,7 +30,7 @@ def fault_hook(step: int):
     A phase such as ``archive:uploaded:__0_0.distcp`` becomes ``archive.uploaded``, so
     ``CKPTFLOW_FAULT=archive.uploaded@4`` kills the process after step 4's first upload.
     """
-    from trainer import faults
+    from ckptflow.trainer import faults
 
     def hook(phase: str) -> None:
         faults.maybe_crash(".".join(phase.split(":")[:2]), step)

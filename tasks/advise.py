@@ -48,7 +48,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from trainer.errors import ConfigError
+from ckptflow.trainer.errors import ConfigError
 
 FORMULAS = {
     "young": "T = sqrt(2*S*M)  (Young 1974, first order)",
@@ -259,7 +259,7 @@ def measure_run(run_dir: str, history_dir: str | None = None) -> RunMeasurement:
     ``history_dir`` defaults to the drills' default (``drills/`` next to the hot root, i.e.
     ``<run_dir>/../../drills``). Raises FileNotFoundError when ``run_dir`` is not a directory.
     """
-    from trainer import layout
+    from ckptflow.trainer import layout
 
     run_dir = os.path.abspath(run_dir)
     if not os.path.isdir(run_dir):

@@ -27,7 +27,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.errors import ConfigError
+from ckptflow.trainer.errors import ConfigError
 
 try:
     import tomllib

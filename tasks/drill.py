@@ -19,12 +19,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tasks.storage import Tier, acquire_lease
-from tasks.transfer import fetch
-from tasks.verify import run_sanity
-from trainer import layout
-from trainer.errors import CkptflowError
-from trainer.verify import verify_checkpoint
+from ckptflow.tasks.storage import Tier, acquire_lease
+from ckptflow.tasks.transfer import fetch
+from ckptflow.tasks.verify import run_sanity
+from ckptflow.trainer import layout
+from ckptflow.trainer.errors import CkptflowError
+from ckptflow.trainer.verify import verify_checkpoint
 
 
 @dataclass(slots=True)
@@ -130,7 +130,7 @@ def history_path(history_dir: str, run_id: str) -> str:
 
 
 def append_history(history_dir: str, result: DrillResult) -> None:
-    from trainer.fsutil import append_durable
+    from ckptflow.trainer.fsutil import append_durable
 
     os.makedirs(history_dir, exist_ok=True)
     append_durable(history_path(history_dir, result.run_id), json.dumps(result.to_dict(), sort_keys=True))

@@ -15,15 +15,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from trainer import faults, layout
-from trainer.errors import CkptflowError
+from ckptflow.trainer import faults, layout
+from ckptflow.trainer.errors import CkptflowError
 
-from tasks.retention import CheckpointInfo, Policy, plan
-from tasks.storage.leases import leased_steps
-from tasks.storage.tier import Tier
+from ckptflow.tasks.retention import CheckpointInfo, Policy, plan
+from ckptflow.tasks.storage.leases import leased_steps
+from ckptflow.tasks.storage.tier import Tier
 
 if TYPE_CHECKING:
-    from tasks.config import CkptflowConfig
+    from ckptflow.tasks.config import CkptflowConfig
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ def unsafe_on_hot(cfg: "CkptflowConfig", run_path: str, steps: Iterable[int]) ->
     once it is quarantined (a bad checkpoint is not worth keeping by this rule).
     ``run_path``: the run on the hot tier, where the lifecycle's stage records are.
     """
-    from tasks import records
+    from ckptflow.tasks import records
 
     need = "archived" if cfg.cold is not None else ("promoted" if cfg.warm is not None else None)
     if need is None:
@@ -156,8 +156,8 @@ def prune_run(cfg: "CkptflowConfig", run_id: str, *, tiers: Iterable[str] | None
     construction (it was checked before its commit). ``tiers``: names to prune (default:
     every configured tier). Returns ``{tier name: report}`` in restore order.
     """
-    from tasks import records
-    from tasks.retention import build_policy
+    from ckptflow.tasks import records
+    from ckptflow.tasks.retention import build_policy
 
     run_path = layout.run_dir(cfg.hot.url, run_id)
     verified = [s for s in records.steps_with_records(run_path)

@@ -15,8 +15,8 @@ import time
 import uuid
 from typing import Any
 
-from trainer import layout
-from trainer.fsutil import fsync_dir, write_durable
+from ckptflow.trainer import layout
+from ckptflow.trainer.fsutil import fsync_dir, write_durable
 
 STAGES = ("verified", "compressed", "promoted", "archived", "pruned")
 QUARANTINED = "quarantined"
@@ -58,7 +58,7 @@ def write_record(run_path: str, step: int, stage: str, data: dict[str, Any]) -> 
 
 def write_side_file(run_path: str, step: int, name: str, data: Any) -> str:
     """A companion file next to the records (stats, expectation results); replaced freely."""
-    from trainer.fsutil import replace_atomic
+    from ckptflow.trainer.fsutil import replace_atomic
 
     path = os.path.join(layout.lifecycle_dir(run_path, step), name)
     os.makedirs(os.path.dirname(path), exist_ok=True)

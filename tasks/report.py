@@ -13,7 +13,7 @@ import os
 import time
 from typing import Any
 
-from trainer import layout
+from ckptflow.trainer import layout
 
 
 def read_metrics(run_path: str) -> list[dict[str, Any]]:

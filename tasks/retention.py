@@ -18,10 +18,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from trainer.errors import ConfigError
+from ckptflow.trainer.errors import ConfigError
 
 if TYPE_CHECKING:
-    from tasks.config import RetentionPolicy
+    from ckptflow.tasks.config import RetentionPolicy
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,10 +23,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tasks import records
-from trainer import faults, layout
-from trainer.errors import CheckpointNotFoundError
-from trainer.verify import verify_checkpoint
+from ckptflow.tasks import records
+from ckptflow.trainer import faults, layout
+from ckptflow.trainer.errors import CheckpointNotFoundError
+from ckptflow.trainer.verify import verify_checkpoint
 
 
 @dataclass(slots=True)
@@ -50,7 +50,7 @@ def run_sanity(ckpt_dir: str, *, nproc: int = 1, timeout_s: float = 900, stats: 
     """Run ``trainer.sanity`` in a fresh process (or a torchrun job of ``nproc`` ranks)."""
     with tempfile.TemporaryDirectory(prefix="ckptflow-sanity-") as tmp:
         out = os.path.join(tmp, "result.json")
-        mod = ["-m", "trainer.sanity", ckpt_dir, "--out", out, *(["--stats"] if stats else [])]
+        mod = ["-m", "ckptflow.trainer.sanity", ckpt_dir, "--out", out, *(["--stats"] if stats else [])]
         if nproc > 1:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    f"--nproc-per-node={nproc}", "--max-restarts=0", *mod]
@@ -118,7 +118,7 @@ def verify_stage(run_path: str, step: int, *, sanity_step: bool = True, expectat
             return _finish(run_path, out, t0)
 
     if expectations and stats is not None:
-        from tasks.expectations import validate
+        from ckptflow.tasks.expectations import validate
 
         prev_step, prev_stats = _previous_verified(run_path, step)
         rep = validate(stats, prev_stats, step=step, prev_step=prev_step, max_norm_change=max_norm_change)

@@ -97,7 +97,7 @@ def torchrun_env(extra: dict | None = None) -> dict:
 
 
 def run_torchrun(args: list[str], *, nproc: int = 2, max_restarts: int = 0, env: dict | None = None,
-                 module: str = "trainer.train", timeout: float = 300) -> subprocess.CompletedProcess:
+                 module: str = "ckptflow.trainer.train", timeout: float = 300) -> subprocess.CompletedProcess:
     cmd = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            f"--max-restarts={max_restarts}", "--monitor-interval=0.5", "-m", module, *args]
     return subprocess.run(cmd, cwd=REPO, env=torchrun_env(env), capture_output=True, text=True,
@@ -118,7 +118,7 @@ def make_run(root: str, run_id: str = "r1", *, max_steps: int = 6, save_every: i
     args = ["--ckpt-root", str(root), "--run-id", run_id, "--max-steps", str(max_steps),
             "--save-every", str(save_every), "--model", "tiny", *(extra_args or [])]
     if nproc == 1:
-        r = subprocess.run([PY, "-m", "trainer.train", "--parallel", "none", *args], cwd=REPO,
+        r = subprocess.run([PY, "-m", "ckptflow.trainer.train", "--parallel", "none", *args], cwd=REPO,
                            env=torchrun_env(env), capture_output=True, text=True, timeout=300)
     else:
         r = run_torchrun(args, nproc=nproc, env=env)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from trainer import layout
+from ckptflow.trainer import layout
 
 
 def metrics(run_dir: str) -> list[dict]:

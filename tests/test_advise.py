@@ -10,9 +10,9 @@ import os
 import numpy as np
 import pytest
 
-from tasks import advise as adv
-from trainer import layout
-from trainer.errors import ConfigError
+from ckptflow.tasks import advise as adv
+from ckptflow.trainer import layout
+from ckptflow.trainer.errors import ConfigError
 
 H = 3600.0
 # (S, M): a fast async save on a stable job ... a save that costs a sizeable part of the MTBF

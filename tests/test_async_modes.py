@@ -12,8 +12,8 @@ import pytest
 
 from tests.conftest import run_torchrun
 from tests.helpers import flip_byte, step_dir
-from trainer.manifest import read_manifest
-from trainer.verify import verify_checkpoint
+from ckptflow.trainer.manifest import read_manifest
+from ckptflow.trainer.verify import verify_checkpoint
 
 pytestmark = pytest.mark.slow
 

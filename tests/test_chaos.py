@@ -23,20 +23,20 @@ import urllib.parse
 
 import pytest
 
-from flows.chaos.model import TrialResult, summarize
-from flows.chaos.s3proxy import FaultProxy
-from tasks.config import TierConfig
-from tasks.storage import Tier
+from ckptflow.chaos.model import TrialResult, summarize
+from ckptflow.chaos.s3proxy import FaultProxy
+from ckptflow.tasks.config import TierConfig
+from ckptflow.tasks.storage import Tier
 from tests.conftest import PY, REPO, torchrun_env
-from trainer import layout
-from trainer.errors import CheckpointNotFoundError, CkptflowError
+from ckptflow.trainer import layout
+from ckptflow.trainer.errors import CheckpointNotFoundError, CkptflowError
 
 pytestmark = pytest.mark.slow
 
 
 def test_a_small_campaign_across_every_kind_passes_and_reports_the_figures(tmp_path):
     env = torchrun_env()
-    r = subprocess.run([PY, "-m", "flows.cli.main", "chaos", "--trials", "5", "--seed", "3", "--json",
+    r = subprocess.run([PY, "-m", "ckptflow.cli.main", "chaos", "--trials", "5", "--seed", "3", "--json",
                         "--workdir", str(tmp_path / "chaos")], cwd=REPO, env=env, capture_output=True, text=True,
                        timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
@@ -74,16 +74,16 @@ def test_the_verdict_fails_on_anything_lost_undetected_broken_or_unrecovered():
 def test_the_cli_exits_1_when_a_trial_fails(monkeypatch):
     from typer.testing import CliRunner
 
-    import flows.chaos
-    from flows.chaos.runner import CampaignReport
-    from flows.cli.cmd_chaos import chaos
+    import ckptflow.chaos
+    from ckptflow.chaos.runner import CampaignReport
+    from ckptflow.cli.cmd_chaos import chaos
     import typer
 
     def fake(opts, **_kw):
         return CampaignReport(opts.seed, {}, [TrialResult(0, "kill", "SIGKILL x", injected=1, recovered=True,
                                                           lost=["step 4 exists on no tier"])])
 
-    monkeypatch.setattr(flows.chaos, "run_campaign", fake)
+    monkeypatch.setattr(ckptflow.chaos, "run_campaign", fake)
     app = typer.Typer()
     app.command()(chaos)
     res = CliRunner().invoke(app, ["--trials", "1", "--seed", "1", "--kinds", "kill"])
@@ -137,7 +137,7 @@ def hot(tiny_run, tmp_path) -> Tier:
 
 
 def test_an_archive_through_a_total_outage_fails_cleanly_and_commits_nothing(hot, s3_endpoint, s3_bucket):
-    from tasks.transfer import archive
+    from ckptflow.tasks.transfer import archive
 
     with FaultProxy(s3_endpoint, share=1.0, modes=("503", "500")) as px:
         cold = Tier(TierConfig(name="cold", url=f"s3://{s3_bucket}/c", codec="zstd", endpoint_url=px.url))
@@ -150,7 +150,7 @@ def test_an_archive_through_a_total_outage_fails_cleanly_and_commits_nothing(hot
 
 
 def test_a_restore_whose_downloads_keep_failing_falls_back_cleanly(hot, s3_endpoint, s3_bucket, tmp_path):
-    from tasks.transfer import archive, restore
+    from ckptflow.tasks.transfer import archive, restore
 
     direct = Tier(TierConfig(name="cold", url=f"s3://{s3_bucket}/c", codec="zstd", endpoint_url=s3_endpoint))
     archive(hot, direct, "tiny", 6)
@@ -161,7 +161,7 @@ def test_a_restore_whose_downloads_keep_failing_falls_back_cleanly(hot, s3_endpo
 
 
 def test_an_unreachable_store_is_a_clean_storage_error(hot, s3_bucket):
-    from tasks.transfer import archive
+    from ckptflow.tasks.transfer import archive
     from tests.conftest import free_port
 
     cold = Tier(TierConfig(name="cold", url=f"s3://{s3_bucket}/c", endpoint_url=f"http://127.0.0.1:{free_port()}"))
@@ -178,7 +178,7 @@ def test_reconcile_finishes_a_lifecycle_whose_process_was_killed(prefect_api, ti
     cfg.write_text(f'[hot]\nurl = "{hot}"\n[hot.retention]\nkeep_last = 5\n[warm]\nurl = "{tmp_path / "warm"}"\n'
                    'codec = "zstd"\n[lifecycle]\nsanity_step = false\n')
     env = dict(torchrun_env(), PREFECT_API_URL=prefect_api)
-    cmd = [PY, "-m", "flows.chaos.worker", "reconcile", "--config", str(cfg)]
+    cmd = [PY, "-m", "ckptflow.chaos.worker", "reconcile", "--config", str(cfg)]
     p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                          start_new_session=True)
     rec = hot / "tiny" / layout.LIFECYCLE_DIR / layout.step_name(4) / "verified.json"
@@ -209,7 +209,7 @@ def test_one_failing_lifecycle_does_not_hold_back_reconcile(prefect_api, tiny_ru
     cfg.write_text(f'[hot]\nurl = "{hot}"\n[hot.retention]\nkeep_last = 5\n[warm]\nurl = "{warm}"\n'
                    '[lifecycle]\nsanity_step = false\n')
     env = dict(torchrun_env(), PREFECT_API_URL=prefect_api)
-    r = subprocess.run([PY, "-m", "flows.chaos.worker", "reconcile", "--config", str(cfg)], cwd=REPO, env=env,
+    r = subprocess.run([PY, "-m", "ckptflow.chaos.worker", "reconcile", "--config", str(cfg)], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     for step in (2, 4, 6):
@@ -220,7 +220,7 @@ def test_one_failing_lifecycle_does_not_hold_back_reconcile(prefect_api, tiny_ru
 
 
 def test_a_save_on_a_full_disk_says_the_disk_is_full(tmp_path, monkeypatch):
-    from trainer.saver import disk_full_hint
+    from ckptflow.trainer.saver import disk_full_hint
 
     run = str(tmp_path / "run")
     assert disk_full_hint(run, 1 << 20) == ""  # this machine's tmp has room

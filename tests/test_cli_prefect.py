@@ -13,7 +13,7 @@ import pytest
 from tests.helpers import flip_byte, step_dir
 from tests.test_cli_storage import _wide, invoke  # noqa: F401 - _wide: autouse fixture
 from tests.test_lifecycle import write_config
-from trainer import layout
+from ckptflow.trainer import layout
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +37,7 @@ def hot_copy(tiny_run, tmp_path):
 
 def test_ls_after_lifecycles_shows_tiers_stages_and_the_quarantine(
         capsys, prefect_api, s3_endpoint, s3_bucket, tmp_path, hot_copy):
-    from flows.lifecycle import lifecycle
+    from ckptflow.flows.lifecycle import lifecycle
 
     cfg = write_config(tmp_path, hot_copy, s3_endpoint, s3_bucket, hot_keep=5, warm_keep=1, cold_keep=5,
                        sanity=False)
@@ -68,9 +68,9 @@ def test_ls_after_lifecycles_shows_tiers_stages_and_the_quarantine(
 
 @pytest.fixture
 def cold_cfg(hot_copy, tmp_path, s3_endpoint, s3_bucket):
-    from tasks.config import load_config
-    from tasks.storage import Tier
-    from tasks.transfer import archive
+    from ckptflow.tasks.config import load_config
+    from ckptflow.tasks.storage import Tier
+    from ckptflow.tasks.transfer import archive
 
     cfg = write_config(tmp_path, hot_copy, s3_endpoint, s3_bucket)
     c = load_config(cfg)

@@ -18,7 +18,7 @@ import pytest
 from tests.conftest import PY, REPO
 from tests.helpers import flip_byte
 from tests.test_advise import fake_run
-from trainer import layout
+from ckptflow.trainer import layout
 
 pytestmark = pytest.mark.slow
 
@@ -35,8 +35,8 @@ class Result:
 
 def invoke(capsys, *args: str) -> Result:
     """Run ``ckptflow ARGS`` in this process; returns exit code, stdout, stderr."""
-    from flows.cli.errors import run_cli
-    from flows.cli.main import app
+    from ckptflow.cli.errors import run_cli
+    from ckptflow.cli.main import app
 
     capsys.readouterr()
     code = run_cli(app, [str(a) for a in args])
@@ -78,9 +78,9 @@ keep_last = {cold_keep}
 @pytest.fixture
 def three_tiers(tiny_run, tmp_path, s3_endpoint, s3_bucket):
     """tiny's steps 2, 4, 6 on hot; 4 and 6 also on warm (zstd) and cold (S3, zstd)."""
-    from tasks.config import load_config
-    from tasks.storage import Tier
-    from tasks.transfer import archive, promote
+    from ckptflow.tasks.config import load_config
+    from ckptflow.tasks.storage import Tier
+    from ckptflow.tasks.transfer import archive, promote
 
     shutil.copytree(tiny_run, tmp_path / "hot" / "tiny")
     cfg = write_cfg(tmp_path, cold=f"s3://{s3_bucket}/ckpt", endpoint=s3_endpoint)
@@ -125,7 +125,7 @@ def test_restore_falls_back_past_a_corrupted_newest_and_verify_accepts_the_resul
 
 
 def test_restore_shows_a_progress_bar_on_a_terminal(capsys, three_tiers, tmp_path, monkeypatch):
-    from flows.cli import cmd_restore
+    from ckptflow.cli import cmd_restore
 
     cfg, *_ = three_tiers
     monkeypatch.setattr(cmd_restore, "_stderr_is_tty", lambda: True)
@@ -159,7 +159,7 @@ def test_progress_callback_adds_up_to_progress_total(three_tiers, tmp_path, whic
     tier), download then decode (cold, S3): the bytes reported add up to progress_total."""
     import threading
 
-    from tasks.transfer import fetch, progress_total
+    from ckptflow.tasks.transfer import fetch, progress_total
 
     cfg, hot, warm, cold = three_tiers
     tier = {"hot": hot, "warm": warm, "cold": cold}[which]
@@ -180,7 +180,7 @@ def test_progress_callback_adds_up_to_progress_total(three_tiers, tmp_path, whic
 
 
 def test_restore_takes_back_the_progress_of_a_skipped_candidate(three_tiers, tmp_path):
-    from tasks.transfer import progress_total, restore
+    from ckptflow.tasks.transfer import progress_total, restore
 
     cfg, hot, warm, cold = three_tiers
     shard = os.path.join(hot.url_for("tiny", 6), "__0_0.distcp")
@@ -197,10 +197,10 @@ def test_restore_takes_back_the_progress_of_a_skipped_candidate(three_tiers, tmp
 @pytest.fixture
 def two_tiers(tiny_run, tmp_path):
     """hot (keep 1) and warm (zstd, keep 1); 2, 4, 6 verified and promoted, as after lifecycles."""
-    from tasks import records
-    from tasks.config import load_config
-    from tasks.storage import Tier
-    from tasks.transfer import promote
+    from ckptflow.tasks import records
+    from ckptflow.tasks.config import load_config
+    from ckptflow.tasks.storage import Tier
+    from ckptflow.tasks.transfer import promote
 
     shutil.copytree(tiny_run, tmp_path / "hot" / "tiny")
     cfg = write_cfg(tmp_path)
@@ -258,7 +258,7 @@ def test_pin_needs_a_committed_checkpoint_and_tier_filters(capsys, two_tiers):
 
 
 def test_ls_lists_every_tier_with_sizes_stages_and_status(capsys, two_tiers, tmp_path):
-    from tasks import records
+    from ckptflow.tasks import records
 
     cfg, hot, warm = two_tiers
     hot.pin("tiny", 4, "keep")

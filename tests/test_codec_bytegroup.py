@@ -18,10 +18,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tasks.codec import ContainerError, DtypeMap, Range, get_codec
-from tasks.codec.bytegroup import BytegroupCodec
-from trainer.checksum import hash_bytes
-from trainer.errors import CodecError
+from ckptflow.tasks.codec import ContainerError, DtypeMap, Range, get_codec
+from ckptflow.tasks.codec.bytegroup import BytegroupCodec
+from ckptflow.trainer.checksum import hash_bytes
+from ckptflow.trainer.errors import CodecError
 
 CHUNK = 4096  # the smallest chunk: small inputs still span many chunks
 DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "complex64": 8,
@@ -165,7 +165,7 @@ def test_trailing_garbage_and_foreign_input(container):
 
 
 def test_bad_parameters():
-    from trainer.errors import ConfigError
+    from ckptflow.trainer.errors import ConfigError
 
     with pytest.raises(ConfigError):
         BytegroupCodec(chunk_size=10)

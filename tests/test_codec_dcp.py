@@ -12,10 +12,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from tasks.codec import dtype_maps_for_checkpoint
-from tasks.codec.dtypemap import safetensors_dtype_map
-from tasks.codec.tool import INDEX, compress_dir, decompress_dir
-from trainer.errors import CodecError, ConfigError, IntegrityError, UnsafePathError
+from ckptflow.tasks.codec import dtype_maps_for_checkpoint
+from ckptflow.tasks.codec.dtypemap import safetensors_dtype_map
+from ckptflow.tasks.codec.tool import INDEX, compress_dir, decompress_dir
+from ckptflow.trainer.errors import CodecError, ConfigError, IntegrityError, UnsafePathError
 
 
 def _state_dict():
@@ -141,7 +141,7 @@ def test_safetensors_header_map():
 
 
 def test_cli_compress_decompress(ckpt, tmp_path):
-    from flows.cli.main import app
+    from ckptflow.cli.main import app
 
     runner = CliRunner()
     r = runner.invoke(app, ["compress", str(ckpt), str(tmp_path / "z"), "--threads", "2"])
@@ -154,8 +154,8 @@ def test_cli_compress_decompress(ckpt, tmp_path):
 
 
 def test_cli_errors_are_one_line_with_exit_codes(ckpt, tmp_path, capsys, monkeypatch):
-    from flows.cli.main import app
-    from flows.cli.errors import run_cli
+    from ckptflow.cli.main import app
+    from ckptflow.cli.errors import run_cli
 
     monkeypatch.setattr("sys.argv", ["ckptflow", "decompress", str(ckpt), str(tmp_path / "o")])
     assert run_cli(app) == 3  # no codec index: not found

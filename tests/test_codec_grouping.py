@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tasks.codec.grouping import PLAIN, kind_for_dtype, merge, split
+from ckptflow.tasks.codec.grouping import PLAIN, kind_for_dtype, merge, split
 
 
 @settings(max_examples=60, deadline=None)

@@ -8,9 +8,9 @@ import os
 import pytest
 import zstandard
 
-from tasks.codec import available_codecs, get_codec
-from trainer.checksum import hash_bytes
-from trainer.errors import CodecError
+from ckptflow.tasks.codec import available_codecs, get_codec
+from ckptflow.trainer.checksum import hash_bytes
+from ckptflow.trainer.errors import CodecError
 
 RAW = os.urandom(200_000) + bytes(3_000_000) + b"tail" * 1000
 

@@ -9,8 +9,8 @@ import pytest
 
 from tests.conftest import run_torchrun
 from tests.helpers import last_per_step, metrics, read_latest, step_dir, tmp_dirs
-from trainer import layout
-from trainer.verify import verify_checkpoint
+from ckptflow.trainer import layout
+from ckptflow.trainer.verify import verify_checkpoint
 
 pytestmark = pytest.mark.slow
 ARGS = ["--model", "tiny", "--max-steps", "6", "--save-every", "2"]

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from tasks.config import (CkptflowConfig, RetentionPolicy, TierConfig, default_config, load_config)
-from trainer.errors import ConfigError
+from ckptflow.tasks.config import (CkptflowConfig, RetentionPolicy, TierConfig, default_config, load_config)
+from ckptflow.trainer.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(REPO, "deployments", "ckptflow.example.toml")

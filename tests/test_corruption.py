@@ -15,9 +15,9 @@ import pytest
 
 from tests.conftest import PY, REPO, run_torchrun, torchrun_env
 from tests.helpers import flip_byte, metrics, step_dir
-from trainer import layout
-from trainer.resume import find_resume_point
-from trainer.verify import verify_checkpoint
+from ckptflow.trainer import layout
+from ckptflow.trainer.resume import find_resume_point
+from ckptflow.trainer.verify import verify_checkpoint
 
 
 @pytest.fixture
@@ -114,7 +114,7 @@ def test_quarantined_checkpoint_is_skipped(run):
 def test_no_valid_checkpoint_is_a_clear_error(run):
     for s in (2, 4, 6):
         flip_byte(_shard(run, s))
-    r = subprocess.run([PY, "-m", "trainer.train", "--parallel", "none", "--ckpt-root",
+    r = subprocess.run([PY, "-m", "ckptflow.trainer.train", "--parallel", "none", "--ckpt-root",
                         os.path.dirname(run), "--run-id", "tiny", "--model", "tiny",
                         "--max-steps", "8", "--save-every", "2"],
                        cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=300)

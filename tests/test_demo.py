@@ -29,7 +29,7 @@ def _procs_with_env(needle: str) -> list[int]:
 def test_demo_end_to_end(tmp_path):
     wd = tmp_path / "demo"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "AWS_", "CKPTFLOW_"))}
-    r = subprocess.run([PY, "-m", "flows.cli.main", "demo", "--workdir", str(wd), "--steps", "40",
+    r = subprocess.run([PY, "-m", "ckptflow.cli.main", "demo", "--workdir", str(wd), "--steps", "40",
                         "--save-every", "10", "--kill-at", "15", "--model", "tiny"],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]

@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import PY, REPO
 from tests.test_lifecycle import write_config
-from trainer import events, layout
+from ckptflow.trainer import events, layout
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +54,7 @@ class Receiver:
 
 @pytest.fixture(scope="module")
 def receiver(prefect_api):
-    from flows.alerts import setup_alerts
+    from ckptflow.flows.alerts import setup_alerts
 
     r = Receiver()
     setup_alerts(r.url, stall_after_s=10)
@@ -67,9 +67,9 @@ def cold_run(tiny_run, tmp_path, s3_endpoint, s3_bucket):
     """tiny_run's steps 4 and 6 archived to a fresh bucket (zstd); returns the config path."""
     import shutil
 
-    from tasks.config import load_config
-    from tasks.storage import Tier
-    from tasks.transfer import archive
+    from ckptflow.tasks.config import load_config
+    from ckptflow.tasks.storage import Tier
+    from ckptflow.tasks.transfer import archive
 
     hot = tmp_path / "hot"
     shutil.copytree(tiny_run, hot / "tiny")
@@ -87,7 +87,7 @@ def listing(s3_endpoint, bucket) -> dict[str, str]:
 
 
 def test_drill_on_a_good_checkpoint_passes_and_reports(prefect_api, cold_run, tmp_path):
-    from flows.drill import restore_drill
+    from ckptflow.flows.drill import restore_drill
 
     out = restore_drill(run_id="tiny", config=cold_run, random_older=True, seed=1,
                         history_dir=str(tmp_path / "drills"), scratch_dir=str(tmp_path / "scratch"))
@@ -123,7 +123,7 @@ def _delete(s3, bucket, key):
 @pytest.mark.parametrize("damage", [_flip, _truncate, _delete], ids=["corrupted", "truncated", "missing"])
 def test_drill_on_a_damaged_object_fails_names_it_alerts_once_and_changes_nothing(
         prefect_api, receiver, cold_run, s3_endpoint, s3_bucket, tmp_path, damage):
-    from flows.drill import DrillFailed, restore_drill
+    from ckptflow.flows.drill import DrillFailed, restore_drill
 
     s3 = boto3.client("s3", endpoint_url=s3_endpoint)
     key = sorted(k for k in listing(s3_endpoint, s3_bucket) if f"/{layout.step_name(6)}/__" in k)[0]

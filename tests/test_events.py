@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tests.conftest import PY, REPO, free_port, torchrun_env
-from trainer import events
+from ckptflow.trainer import events
 
 ARGS = ["--model", "tiny", "--max-steps", "8", "--save-every", "2", "--parallel", "none"]
 
@@ -52,7 +52,7 @@ def silent():
 def _train(root, api_url) -> dict:
     env = torchrun_env({"PREFECT_API_URL": api_url} if api_url else None)
     t0 = time.perf_counter()
-    r = subprocess.run([PY, "-m", "trainer.train", "--ckpt-root", str(root), "--run-id", "r", *ARGS],
+    r = subprocess.run([PY, "-m", "ckptflow.trainer.train", "--ckpt-root", str(root), "--run-id", "r", *ARGS],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     line = [x for x in r.stderr.splitlines() if x.startswith("ckptflow-summary ")][-1]

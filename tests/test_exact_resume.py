@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import PY, REPO, run_torchrun, torchrun_env
 from tests.helpers import last_per_step, metrics, read_latest, step_dir, tmp_dirs
-from trainer import layout
+from ckptflow.trainer import layout
 
 pytestmark = pytest.mark.slow
 ARGS = ["--model", "tiny", "--max-steps", "10", "--save-every", "3"]
@@ -86,7 +86,7 @@ def test_resume_at_another_world_size(baseline_nodrop, tmp_path, nproc):
     args = ["--ckpt-root", str(tmp_path), "--run-id", "r", "--model", "tiny", "--dropout", "0",
             "--global-batch", "6", "--max-steps", "8", "--save-every", "4"]
     if nproc == 1:
-        r = subprocess.run([PY, "-m", "trainer.train", *args], cwd=REPO, env=torchrun_env(),
+        r = subprocess.run([PY, "-m", "ckptflow.trainer.train", *args], cwd=REPO, env=torchrun_env(),
                            capture_output=True, text=True, timeout=300)
     else:
         r = run_torchrun(args, nproc=nproc)
@@ -100,12 +100,12 @@ def test_resume_at_another_world_size(baseline_nodrop, tmp_path, nproc):
         assert math.isclose(x["loss"], b["loss"], rel_tol=1e-5), (x, b)
     # The restored state itself is exact, at this world size too.
     if nproc == 1:
-        s = subprocess.run([PY, "-m", "trainer.sanity", step_dir(run, 4)], cwd=REPO, env=torchrun_env(),
+        s = subprocess.run([PY, "-m", "ckptflow.trainer.sanity", step_dir(run, 4)], cwd=REPO, env=torchrun_env(),
                            capture_output=True, text=True, timeout=300)
         out = json.loads(s.stdout)
     else:
         res = tmp_path / "sanity.json"
-        s = run_torchrun([step_dir(run, 4), "--out", str(res)], nproc=nproc, module="trainer.sanity")
+        s = run_torchrun([step_dir(run, 4), "--out", str(res)], nproc=nproc, module="ckptflow.trainer.sanity")
         out = json.loads(res.read_text())
     assert s.returncode == 0 and out["ok"], out
     assert out["probe_match"] == "bitwise" and out["lr_match"]

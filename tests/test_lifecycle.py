@@ -16,8 +16,8 @@ import pytest
 
 from tests.conftest import PY, REPO, free_port, make_run, run_torchrun, torchrun_env
 from tests.helpers import flip_byte, step_dir
-from trainer import layout
-from trainer.resume import find_resume_point
+from ckptflow.trainer import layout
+from ckptflow.trainer.resume import find_resume_point
 
 pytestmark = pytest.mark.slow
 
@@ -87,7 +87,7 @@ def test_training_commits_trigger_lifecycles_end_to_end(prefect_api, s3_endpoint
     cfg = write_config(tmp_path, hot, s3_endpoint, s3_bucket)
     env = dict(torchrun_env(), PREFECT_API_URL=prefect_api, PREFECT_SERVER_ANALYTICS_ENABLED="false")
     log = open(tmp_path / "serve.log", "w")
-    srv = subprocess.Popen([PY, "-m", "flows.serve", "--config", cfg, "--reconcile-every", "3600"], cwd=REPO,
+    srv = subprocess.Popen([PY, "-m", "ckptflow.flows.serve", "--config", cfg, "--reconcile-every", "3600"], cwd=REPO,
                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         time.sleep(8)  # the runner registers its deployments and triggers
@@ -119,7 +119,7 @@ def run_copy(tiny_run, tmp_path):
 
 
 def test_lifecycle_twice_does_nothing_twice(prefect_api, s3_endpoint, s3_bucket, tmp_path, run_copy):
-    from flows.lifecycle import lifecycle
+    from ckptflow.flows.lifecycle import lifecycle
 
     cfg = write_config(tmp_path, run_copy, s3_endpoint, s3_bucket, hot_keep=5, warm_keep=5, cold_keep=5)
     first = lifecycle(run_id="tiny", step=6, uri=str(step_dir(run_copy / "tiny", 6)), config=cfg)
@@ -133,7 +133,7 @@ def test_lifecycle_twice_does_nothing_twice(prefect_api, s3_endpoint, s3_bucket,
 def test_lifecycle_killed_half_way_finishes_on_rerun(prefect_api, s3_endpoint, s3_bucket, tmp_path, run_copy):
     """SIGKILL right after the first object of the archive; the re-run uploads only the rest."""
     cfg = write_config(tmp_path, run_copy, s3_endpoint, s3_bucket, hot_keep=5, warm_keep=5, cold_keep=5)
-    code = ("from flows.lifecycle import lifecycle; import sys; "
+    code = ("from ckptflow.flows.lifecycle import lifecycle; import sys; "
             f"lifecycle(run_id='tiny', step=6, uri='{step_dir(run_copy / 'tiny', 6)}', config='{cfg}')")
     env = dict(torchrun_env(), PREFECT_API_URL=prefect_api, CKPTFLOW_FAULT="archive.uploaded@6")
     r = subprocess.run([PY, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -141,7 +141,7 @@ def test_lifecycle_killed_half_way_finishes_on_rerun(prefect_api, s3_endpoint, s
     assert 6 not in cold_steps(s3_endpoint, s3_bucket, "tiny"), "a partial upload is never committed"
     before = cold_objects(s3_endpoint, s3_bucket)
     assert len(before) >= 1
-    from flows.lifecycle import lifecycle
+    from ckptflow.flows.lifecycle import lifecycle
 
     out = lifecycle(run_id="tiny", step=6, uri=str(step_dir(run_copy / "tiny", 6)), config=cfg)
     assert out["status"] == "done" and out["verify"]["skipped"] and out["promote"]["skipped"]
@@ -153,7 +153,7 @@ def test_lifecycle_killed_half_way_finishes_on_rerun(prefect_api, s3_endpoint, s
 
 def test_corrupted_shard_is_quarantined_never_promoted_and_skipped_by_resume(
         prefect_api, s3_endpoint, s3_bucket, tmp_path, run_copy):
-    from flows.lifecycle import lifecycle
+    from ckptflow.flows.lifecycle import lifecycle
 
     cfg = write_config(tmp_path, run_copy, s3_endpoint, s3_bucket, hot_keep=5)
     run = run_copy / "tiny"
@@ -180,7 +180,7 @@ def _tamper(ckpt: str, fn) -> None:
     script = f"""
 import json, os, shutil, tempfile, torch, torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
-from trainer.checksum import hash_file
+from ckptflow.trainer.checksum import hash_file
 ckpt = {ckpt!r}
 tmp = tempfile.mkdtemp()
 dcp_to_torch_save(ckpt, tmp + "/full.pt")
@@ -211,8 +211,8 @@ json.dump(m, open(ckpt + "/manifest.json", "w"))
 ])
 def test_tampered_tensor_with_valid_checksums_is_caught(prefect_api, s3_endpoint, s3_bucket, tmp_path, run_copy,
                                                         tamper, caught_by):
-    from flows.lifecycle import lifecycle
-    from trainer.verify import verify_checkpoint
+    from ckptflow.flows.lifecycle import lifecycle
+    from ckptflow.trainer.verify import verify_checkpoint
 
     cfg = write_config(tmp_path, run_copy, s3_endpoint, s3_bucket, hot_keep=5)
     run = run_copy / "tiny"
@@ -225,7 +225,7 @@ def test_tampered_tensor_with_valid_checksums_is_caught(prefect_api, s3_endpoint
 
 def test_expectations_catch_what_the_probe_cannot(tmp_path):
     """Statistics-level checks alone: a negative Adam second moment and a NaN."""
-    from tasks.expectations import validate
+    from ckptflow.tasks.expectations import validate
 
     ok = [{"name": "w", "kind": "param", "numel": 4, "finite_frac": 1.0, "norm": 1.0, "min": -1, "max": 1, "mean": 0},
           {"name": "w.exp_avg_sq", "kind": "exp_avg_sq", "numel": 4, "finite_frac": 1.0, "norm": 1e-3, "min": 0.0,
@@ -242,7 +242,7 @@ def test_expectations_catch_what_the_probe_cannot(tmp_path):
 
 
 def test_reconcile_processes_commits_missed_while_the_server_was_down(prefect_api, s3_endpoint, s3_bucket, tmp_path):
-    from flows.reconcile import reconcile
+    from ckptflow.flows.reconcile import reconcile
 
     hot = tmp_path / "hot"
     cfg = write_config(tmp_path, hot, s3_endpoint, s3_bucket, hot_keep=5, warm_keep=5, cold_keep=5,
@@ -265,14 +265,14 @@ def test_reconcile_takes_over_a_lifecycle_whose_process_died(prefect_api, s3_end
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 
-    from flows.reconcile import reconcile
+    from ckptflow.flows.reconcile import reconcile
 
     cfg = write_config(tmp_path, run_copy, s3_endpoint, s3_bucket, hot_keep=5, warm_keep=5, cold_keep=5,
                        sanity=False)
     flt = FlowRunFilter(name=FlowRunFilterName(any_=["lifecycle-tiny-step6"]))
     with get_client(sync_client=True) as c:  # other tests of this session used the same name
         earlier = {x.id for x in c.read_flow_runs(flow_run_filter=flt)}
-    code = ("from flows.lifecycle import lifecycle; "
+    code = ("from ckptflow.flows.lifecycle import lifecycle; "
             f"lifecycle(run_id='tiny', step=6, uri='{step_dir(run_copy / 'tiny', 6)}', config='{cfg}')")
     env = dict(torchrun_env(), PREFECT_API_URL=prefect_api, CKPTFLOW_FAULT="verify.integrity@6")
     for _ in range(2):  # killed twice: two runs left RUNNING, both must be dealt with
@@ -297,8 +297,8 @@ def test_reconcile_leaves_a_queued_lifecycle_to_its_worker_until_the_grace_runs_
     from prefect.client.orchestration import get_client
     from prefect.states import Scheduled
 
-    from flows.lifecycle import lifecycle
-    from flows.reconcile import reconcile
+    from ckptflow.flows.lifecycle import lifecycle
+    from ckptflow.flows.reconcile import reconcile
 
     cfg = write_config(tmp_path, run_copy, s3_endpoint, s3_bucket, hot_keep=5, warm_keep=5, cold_keep=5,
                        sanity=False)

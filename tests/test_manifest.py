@@ -9,9 +9,9 @@ import shutil
 import pytest
 
 from tests.conftest import PY, REPO
-from trainer import layout
-from trainer.errors import ConfigError, ManifestError, UnsafePathError
-from trainer.manifest import KEY_ENV, FileEntry, Manifest, read_manifest
+from ckptflow.trainer import layout
+from ckptflow.trainer.errors import ConfigError, ManifestError, UnsafePathError
+from ckptflow.trainer.manifest import KEY_ENV, FileEntry, Manifest, read_manifest
 
 
 def _m() -> Manifest:
@@ -69,7 +69,7 @@ def test_layout_names():
 
 
 def test_symlink_out_of_checkpoint_is_refused(tiny_run, tmp_path):
-    from trainer.verify import verify_checkpoint
+    from ckptflow.trainer.verify import verify_checkpoint
 
     run = tmp_path / "r"
     shutil.copytree(tiny_run, run)
@@ -85,7 +85,7 @@ def test_symlink_out_of_checkpoint_is_refused(tiny_run, tmp_path):
 def test_cli_verify_exit_codes(tiny_run, tmp_path):
     import subprocess
 
-    ok = subprocess.run([PY, "-m", "flows.cli.main", "verify", os.path.join(tiny_run, layout.step_name(6))],
+    ok = subprocess.run([PY, "-m", "ckptflow.cli.main", "verify", os.path.join(tiny_run, layout.step_name(6))],
                         cwd=REPO, capture_output=True, text=True)
     assert ok.returncode == 0 and ok.stdout.startswith("OK ")
     run = tmp_path / "r"
@@ -93,19 +93,19 @@ def test_cli_verify_exit_codes(tiny_run, tmp_path):
     d = run / layout.step_name(6)
     shard = sorted(p for p in os.listdir(d) if p.endswith(".distcp"))[0]
     (d / shard).write_bytes(b"x")
-    bad = subprocess.run([PY, "-m", "flows.cli.main", "verify", str(d)], cwd=REPO, capture_output=True, text=True)
+    bad = subprocess.run([PY, "-m", "ckptflow.cli.main", "verify", str(d)], cwd=REPO, capture_output=True, text=True)
     assert bad.returncode == 1 and shard in bad.stderr and "size" in bad.stderr
-    js = subprocess.run([PY, "-m", "flows.cli.main", "verify", "--json", str(d)], cwd=REPO,
+    js = subprocess.run([PY, "-m", "ckptflow.cli.main", "verify", "--json", str(d)], cwd=REPO,
                         capture_output=True, text=True)
     assert json.loads(js.stdout)["ok"] is False
 
 
 def test_sanity_builder_must_be_allowed(monkeypatch):
-    from trainer.errors import ConfigError
-    from trainer.sanity import BUILDERS_ENV, resolve_builder
+    from ckptflow.trainer.errors import ConfigError
+    from ckptflow.trainer.sanity import BUILDERS_ENV, resolve_builder
 
-    assert callable(resolve_builder("trainer.reference:build"))
+    assert callable(resolve_builder("ckptflow.trainer.reference.build:build"))
     with pytest.raises(ConfigError, match="not allowed"):
         resolve_builder("os:system")
-    monkeypatch.setenv(BUILDERS_ENV, "trainer.model:count_parameters, other:fn")
-    assert callable(resolve_builder("trainer.model:count_parameters"))
+    monkeypatch.setenv(BUILDERS_ENV, "ckptflow.trainer.reference.model:count_parameters, other:fn")
+    assert callable(resolve_builder("ckptflow.trainer.reference.model:count_parameters"))

@@ -8,15 +8,15 @@ import shutil
 
 import pytest
 
-from tasks.config import TierConfig
-from tasks.prune import checkpoint_infos, prune
-from tasks.retention import CheckpointInfo, KeepBestN, KeepEveryKSteps, KeepLastN, Policy
-from tasks.storage import Tier, acquire_lease
-from tasks.storage.leases import write_lease
-from tasks.transfer import archive, promote
-from trainer import layout
-from trainer.fsutil import write_durable
-from trainer.manifest import read_manifest
+from ckptflow.tasks.config import TierConfig
+from ckptflow.tasks.prune import checkpoint_infos, prune
+from ckptflow.tasks.retention import CheckpointInfo, KeepBestN, KeepEveryKSteps, KeepLastN, Policy
+from ckptflow.tasks.storage import Tier, acquire_lease
+from ckptflow.tasks.storage.leases import write_lease
+from ckptflow.tasks.transfer import archive, promote
+from ckptflow.trainer import layout
+from ckptflow.trainer.fsutil import write_durable
+from ckptflow.trainer.manifest import read_manifest
 
 
 def clone_step(run: str, src: int, dst: int, loss: float | None = None) -> None:

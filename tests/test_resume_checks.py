@@ -10,7 +10,7 @@ from tests.conftest import PY, REPO, make_run, torchrun_env
 
 
 def _train(root, *extra):
-    return subprocess.run([PY, "-m", "trainer.train", "--parallel", "none", "--ckpt-root", str(root), "--run-id",
+    return subprocess.run([PY, "-m", "ckptflow.trainer.train", "--parallel", "none", "--ckpt-root", str(root), "--run-id",
                            "r", "--model", "tiny", "--max-steps", "6", "--save-every", "2", *extra],
                           cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=300)
 
@@ -35,8 +35,8 @@ def test_data_fingerprint_mismatch_is_refused(tmp_path):
 
 SCRIPT = textwrap.dedent("""
     import os, random, numpy as np, torch
-    from trainer.checkpointer import CheckpointConfig, CheckpointManager, Provenance
-    from trainer.distenv import init_distributed
+    from ckptflow.trainer.checkpointer import CheckpointConfig, CheckpointManager, Provenance
+    from ckptflow.trainer.distenv import init_distributed
     env = init_distributed()
     def build():
         torch.manual_seed(0)

@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tasks.config import RetentionPolicy
-from tasks.retention import (AllOf, AnyOf, CheckpointInfo, KeepAll, KeepBestN, KeepEveryKSteps,
+from ckptflow.tasks.config import RetentionPolicy
+from ckptflow.tasks.retention import (AllOf, AnyOf, CheckpointInfo, KeepAll, KeepBestN, KeepEveryKSteps,
                              KeepLastN, KeepPinned, build_policy, plan, protections)
-from trainer.errors import ConfigError
+from ckptflow.trainer.errors import ConfigError
 
 
 def ck(step: int, **kw) -> CheckpointInfo:

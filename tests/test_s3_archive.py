@@ -11,16 +11,16 @@ import shutil
 import boto3
 import pytest
 
-from tasks.config import TierConfig
-from tasks.storage import Tier
-from tasks.storage.s3 import META_CODEC, META_RAW, META_STORED
-from tasks.transfer import archive, fetch, promote, restore
-from trainer import layout
-from trainer.checksum import hash_file
-from trainer.errors import CheckpointNotFoundError, IntegrityError, ManifestError
-from trainer.fsutil import write_durable
-from trainer.manifest import FileEntry, Manifest
-from trainer.verify import verify_checkpoint
+from ckptflow.tasks.config import TierConfig
+from ckptflow.tasks.storage import Tier
+from ckptflow.tasks.storage.s3 import META_CODEC, META_RAW, META_STORED
+from ckptflow.tasks.transfer import archive, fetch, promote, restore
+from ckptflow.trainer import layout
+from ckptflow.trainer.checksum import hash_file
+from ckptflow.trainer.errors import CheckpointNotFoundError, IntegrityError, ManifestError
+from ckptflow.trainer.fsutil import write_durable
+from ckptflow.trainer.manifest import FileEntry, Manifest
+from ckptflow.trainer.verify import verify_checkpoint
 
 
 @pytest.fixture

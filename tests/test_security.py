@@ -21,14 +21,14 @@ import uuid
 import boto3
 import pytest
 
-from tasks.config import TierConfig
-from tasks.storage import Tier
+from ckptflow.tasks.config import TierConfig
+from ckptflow.tasks.storage import Tier
 from tests.conftest import PY, REPO, free_port, make_run, torchrun_env
 from tests.helpers import step_dir
-from trainer import layout
-from trainer.checksum import hash_file
-from trainer.errors import CheckpointNotFoundError, CkptflowError, IntegrityError, UnsafePathError
-from trainer.manifest import KEY_BLOCK_ENV, KEY_ENV
+from ckptflow.trainer import layout
+from ckptflow.trainer.checksum import hash_file
+from ckptflow.trainer.errors import CheckpointNotFoundError, CkptflowError, IntegrityError, UnsafePathError
+from ckptflow.trainer.manifest import KEY_BLOCK_ENV, KEY_ENV
 
 pytestmark = pytest.mark.slow
 KEY = "ckptflow-test-signing-key-0123456789"
@@ -79,11 +79,11 @@ def _edit_training_meta(run: str) -> None:
 
 def _every_reader(run: str, tmp_path, cold: Tier | None) -> dict[str, object]:
     """Run each code path that reads checkpoint 6 of ``run``; what each returned or raised."""
-    from tasks.codec.tool import compress_dir
-    from tasks.drill import drill_one
-    from tasks.transfer import archive, fetch, promote, restore
-    from tasks.verify import verify_stage
-    from trainer.resume import find_resume_point
+    from ckptflow.tasks.codec.tool import compress_dir
+    from ckptflow.tasks.drill import drill_one
+    from ckptflow.tasks.transfer import archive, fetch, promote, restore
+    from ckptflow.tasks.verify import verify_stage
+    from ckptflow.trainer.resume import find_resume_point
 
     root, run_id = os.path.dirname(run), os.path.basename(run)
     hot = Tier(TierConfig(name="hot", url=root))
@@ -97,9 +97,9 @@ def _every_reader(run: str, tmp_path, cold: Tier | None) -> dict[str, object]:
             out[name] = e
 
     attempt("resume", lambda: find_resume_point(run))
-    attempt("verify_cli", lambda: subprocess.run([PY, "-m", "flows.cli.main", "verify", step_dir(run, 6)], cwd=REPO,
+    attempt("verify_cli", lambda: subprocess.run([PY, "-m", "ckptflow.cli.main", "verify", step_dir(run, 6)], cwd=REPO,
                                                  env=torchrun_env(), capture_output=True, text=True, timeout=120))
-    attempt("sanity", lambda: subprocess.run([PY, "-m", "trainer.sanity", step_dir(run, 6)], cwd=REPO,
+    attempt("sanity", lambda: subprocess.run([PY, "-m", "ckptflow.trainer.sanity", step_dir(run, 6)], cwd=REPO,
                                              env=torchrun_env(), capture_output=True, text=True, timeout=300))
     attempt("promote", lambda: promote(hot, warm, run_id, 6))
     if cold is not None:
@@ -111,7 +111,7 @@ def _every_reader(run: str, tmp_path, cold: Tier | None) -> dict[str, object]:
     # last but one: a failed verify stage quarantines step 6, which restore then skips for that reason
     attempt("lifecycle_verify", lambda: verify_stage(run, 6, sanity_step=True, expectations=True))
     attempt("training_resume", lambda: subprocess.run(
-        [PY, "-m", "trainer.train", "--parallel", "none", "--ckpt-root", root, "--run-id", run_id, "--model", "tiny",
+        [PY, "-m", "ckptflow.trainer.train", "--parallel", "none", "--ckpt-root", root, "--run-id", run_id, "--model", "tiny",
          "--max-steps", "8", "--save-every", "2"], cwd=REPO, env=torchrun_env(), capture_output=True, text=True,
         timeout=300))
     return out
@@ -197,7 +197,7 @@ def test_the_key_can_come_from_a_prefect_secret_block(prefect_api, signed_run, t
     """Flows read the block; a process without prefect (the trainer) fails closed, never open."""
     from prefect.blocks.system import Secret
 
-    from flows.lifecycle import lifecycle
+    from ckptflow.flows.lifecycle import lifecycle
 
     name = f"ckptflow-manifest-key-{uuid.uuid4().hex[:8]}"
     Secret(value=KEY).save(name, overwrite=True)
@@ -207,7 +207,7 @@ def test_the_key_can_come_from_a_prefect_secret_block(prefect_api, signed_run, t
     monkeypatch.setenv(KEY_BLOCK_ENV, name)
     env = dict(torchrun_env(), **{KEY_BLOCK_ENV: name})
     env.pop(KEY_ENV, None)
-    code = f"from trainer.verify import verify_checkpoint; verify_checkpoint({step_dir(signed_run, 6)!r})"
+    code = f"from ckptflow.trainer.verify import verify_checkpoint; verify_checkpoint({step_dir(signed_run, 6)!r})"
     r = subprocess.run([PY, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and KEY_ENV in r.stderr and "ConfigError" in r.stderr
 
@@ -229,7 +229,7 @@ def test_the_key_can_come_from_a_prefect_secret_block(prefect_api, signed_run, t
 # ---- names, symlinks, keys outside the run ----------------------------------------------------
 
 def test_manifest_names_that_escape_are_refused_by_every_local_reader(tiny_run, tmp_path):
-    from trainer.verify import verify_checkpoint
+    from ckptflow.trainer.verify import verify_checkpoint
 
     hot_root = tmp_path / "hot"
     run = _copy(tiny_run, tmp_path)
@@ -245,8 +245,8 @@ def test_manifest_names_that_escape_are_refused_by_every_local_reader(tiny_run, 
 
 
 def test_a_symlink_out_of_a_checkpoint_is_refused_by_verify_and_resume(tiny_run, tmp_path):
-    from trainer.resume import find_resume_point
-    from trainer.verify import verify_checkpoint
+    from ckptflow.trainer.resume import find_resume_point
+    from ckptflow.trainer.verify import verify_checkpoint
 
     run = _copy(tiny_run, tmp_path)
     d = step_dir(run, 6)
@@ -259,7 +259,7 @@ def test_a_symlink_out_of_a_checkpoint_is_refused_by_verify_and_resume(tiny_run,
 
 
 def test_tier_reads_refuse_a_symlink_out_of_a_checkpoint(tiny_run, tmp_path):
-    from tasks.transfer import fetch, promote
+    from ckptflow.tasks.transfer import fetch, promote
 
     run = _copy(tiny_run, tmp_path)
     d = step_dir(run, 6)
@@ -275,7 +275,7 @@ def test_tier_reads_refuse_a_symlink_out_of_a_checkpoint(tiny_run, tmp_path):
 
 
 def test_a_hot_checkpoint_copied_under_another_run_or_step_is_refused_by_the_verify_stage(tiny_run, tmp_path):
-    from tasks.verify import verify_stage
+    from ckptflow.tasks.verify import verify_stage
 
     run = _copy(tiny_run, tmp_path)
     other = tmp_path / "hot" / "other"
@@ -288,7 +288,7 @@ def test_a_hot_checkpoint_copied_under_another_run_or_step_is_refused_by_the_ver
 
 def test_a_cold_checkpoint_copied_under_another_run_is_refused(tiny_run, tmp_path, s3_endpoint, s3_bucket):
     """Objects put under run B's prefix carry run A's manifest: names outside the run's prefix."""
-    from tasks.transfer import archive, fetch
+    from ckptflow.tasks.transfer import archive, fetch
 
     _copy(tiny_run, tmp_path)
     hot = Tier(TierConfig(name="hot", url=str(tmp_path / "hot")))
@@ -305,10 +305,10 @@ def test_a_cold_checkpoint_copied_under_another_run_is_refused(tiny_run, tmp_pat
 
 
 def test_prune_never_deletes_outside_its_tier_and_run(tiny_run, tmp_path, s3_endpoint, s3_bucket, monkeypatch):
-    from tasks.config import RetentionPolicy
-    from tasks.prune import prune
-    from tasks.retention import build_policy
-    from tasks.transfer import archive
+    from ckptflow.tasks.config import RetentionPolicy
+    from ckptflow.tasks.prune import prune
+    from ckptflow.tasks.retention import build_policy
+    from ckptflow.tasks.transfer import archive
 
     run = _copy(tiny_run, tmp_path)
     hot = Tier(TierConfig(name="hot", url=str(tmp_path / "hot")))
@@ -345,10 +345,10 @@ def test_no_credential_or_webhook_token_in_logs_artifacts_events_or_errors(
         prefect_api, tiny_run, tmp_path, s3_endpoint, s3_bucket, monkeypatch, caplog, capfd):
     import s3fs
 
-    from flows.alerts import notify_on_failure
-    from flows.drill import DrillFailed, restore_drill
-    from flows.lifecycle import lifecycle
-    from tasks.transfer import archive, restore
+    from ckptflow.flows.alerts import notify_on_failure
+    from ckptflow.flows.drill import DrillFailed, restore_drill
+    from ckptflow.flows.lifecycle import lifecycle
+    from ckptflow.tasks.transfer import archive, restore
 
     tag = uuid.uuid4().hex[:12]
     secret, key_id, token = f"ckptflow-canary-{tag}", f"CKPTFLOWCANARY{tag.upper()}", f"ckptflow-canary-tok-{tag}"
@@ -393,7 +393,7 @@ def test_no_credential_or_webhook_token_in_logs_artifacts_events_or_errors(
                 errors.append(f"{type(e).__name__}: {e}")
     assert len(errors) >= 3
     # the direct-webhook path (API unreachable): the POST fails, and says so without the URL
-    monkeypatch.setattr("flows.alerts._api_reachable", lambda: False)
+    monkeypatch.setattr("ckptflow.flows.alerts._api_reachable", lambda: False)
     from types import SimpleNamespace as NS
 
     notify_on_failure(NS(name="ckptflow-restore-drill"), NS(name="drill-tiny"), NS(name="Failed", message="x"))

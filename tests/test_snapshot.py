@@ -19,7 +19,7 @@ import pytest
 
 from tests.conftest import PY, REPO, run_torchrun, torchrun_env
 from tests.helpers import metrics, step_dir
-from trainer import layout
+from ckptflow.trainer import layout
 
 pytestmark = pytest.mark.slow
 ARGS = ["--model", "tiny", "--max-steps", "6", "--save-every", "2"]
@@ -49,9 +49,9 @@ def test_slow_write_still_saves_the_state_of_its_step(tmp_path):
 
 SCRIPT = textwrap.dedent("""
     import os, torch, torch.distributed.checkpoint as dcp
-    from trainer.distenv import init_distributed
-    from trainer.saver import AsyncSaver, SaveRequest
-    from trainer.manifest import Manifest
+    from ckptflow.trainer.distenv import init_distributed
+    from ckptflow.trainer.saver import AsyncSaver, SaveRequest
+    from ckptflow.trainer.manifest import Manifest
     env = init_distributed()
     w = torch.arange(1 << 16, dtype=torch.float32)
     root = os.environ["ROOT"]; os.makedirs(root, exist_ok=True)

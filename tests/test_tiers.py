@@ -11,13 +11,13 @@ import time
 import boto3
 import pytest
 
-from tasks.config import TierConfig
-from tasks.storage import StoredFile, Tier, TierIndex, acquire_lease, active_leases, leased_steps
-from tasks.storage.index import marker_json
-from tasks.storage.leases import write_lease
-from tasks.transfer import archive, fetch
-from trainer import layout
-from trainer.errors import (CheckpointNotFoundError, ConfigError, ManifestError, UnsafePathError)
+from ckptflow.tasks.config import TierConfig
+from ckptflow.tasks.storage import StoredFile, Tier, TierIndex, acquire_lease, active_leases, leased_steps
+from ckptflow.tasks.storage.index import marker_json
+from ckptflow.tasks.storage.leases import write_lease
+from ckptflow.tasks.transfer import archive, fetch
+from ckptflow.trainer import layout
+from ckptflow.trainer.errors import (CheckpointNotFoundError, ConfigError, ManifestError, UnsafePathError)
 
 
 @pytest.fixture

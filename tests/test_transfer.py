@@ -10,13 +10,13 @@ import shutil
 
 import pytest
 
-from tasks.config import TierConfig
-from tasks.storage import Tier, acquire_lease, active_leases
-from tasks.transfer import compress, fetch, promote, restore
-from trainer import layout
-from trainer.errors import (CheckpointNotFoundError, ConfigError, IntegrityError, StorageError)
-from trainer.fsutil import write_durable
-from trainer.verify import verify_checkpoint
+from ckptflow.tasks.config import TierConfig
+from ckptflow.tasks.storage import Tier, acquire_lease, active_leases
+from ckptflow.tasks.transfer import compress, fetch, promote, restore
+from ckptflow.trainer import layout
+from ckptflow.trainer.errors import (CheckpointNotFoundError, ConfigError, IntegrityError, StorageError)
+from ckptflow.trainer.fsutil import write_durable
+from ckptflow.trainer.verify import verify_checkpoint
 
 
 @pytest.fixture
@@ -234,7 +234,7 @@ def test_restore_skips_quarantined_and_reports_when_nothing_verifies(hot, tmp_pa
 
 def test_restore_holds_a_lease_while_it_reads(hot, tmp_path, monkeypatch):
     seen = []
-    import tasks.transfer._restore as mod
+    import ckptflow.tasks.transfer._restore as mod
 
     real = mod.fetch
 

@@ -11,9 +11,13 @@ Importing this package is cheap; torch.distributed.checkpoint loads on first use
 
 from __future__ import annotations
 
+if __name__ != "ckptflow.trainer":  # the repository folder imported under its bare name
+    raise ImportError(f"import ckptflow.trainer, not {__name__}: ckptflow installs one namespace, and a "
+                      "module loaded under two names would exist twice in one process")
+
 from typing import TYPE_CHECKING
 
-from trainer.errors import (
+from ckptflow.trainer.errors import (
     CheckpointNotFoundError,
     CkptflowError,
     ConfigError,
@@ -24,7 +28,7 @@ from trainer.errors import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    from trainer.checkpointer import CheckpointConfig, CheckpointManager, Provenance, SanitySpec
+    from ckptflow.trainer.checkpointer import CheckpointConfig, CheckpointManager, Provenance, SanitySpec
 
 _LAZY = {"CheckpointConfig", "CheckpointManager", "Provenance", "SanitySpec"}
 
@@ -33,7 +37,7 @@ def __getattr__(name: str):
     # Lazy: the CLI and the lifecycle import trainer.* modules without paying for
     # torch.distributed.checkpoint (~8 s cold) unless they need the manager.
     if name in _LAZY:
-        from trainer import checkpointer
+        from ckptflow.trainer import checkpointer
 
         return getattr(checkpointer, name)
     raise AttributeError(name)

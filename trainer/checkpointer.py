@@ -25,15 +25,15 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.distributed as dist
 
-from trainer import commit, events, layout
-from trainer.checksum import hash_bytes
-from trainer.distenv import DistEnv, init_distributed
-from trainer.errors import ConfigError, SaveError
-from trainer.manifest import FileEntry, Manifest
-from trainer.resume import check_provenance, find_resume_point, no_checkpoint_error
-from trainer.saver import ASYNC_MODES, AsyncSaver, SaveRequest
-from trainer.loader import load_verified, train_state
-from trainer.state import build_save_state
+from ckptflow.trainer import commit, events, layout
+from ckptflow.trainer.checksum import hash_bytes
+from ckptflow.trainer.distenv import DistEnv, init_distributed
+from ckptflow.trainer.errors import ConfigError, SaveError
+from ckptflow.trainer.manifest import FileEntry, Manifest
+from ckptflow.trainer.resume import check_provenance, find_resume_point, no_checkpoint_error
+from ckptflow.trainer.saver import ASYNC_MODES, AsyncSaver, SaveRequest
+from ckptflow.trainer.loader import load_verified, train_state
+from ckptflow.trainer.state import build_save_state
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 import logging
 import os
 
-from trainer import faults, layout
-from trainer.fsutil import fsync_dir, remove_tree, rename_durable, replace_atomic, write_durable
-from trainer.manifest import Manifest
+from ckptflow.trainer import faults, layout
+from ckptflow.trainer.fsutil import fsync_dir, remove_tree, rename_durable, replace_atomic, write_durable
+from ckptflow.trainer.manifest import Manifest
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ import urllib.request
 import uuid
 from datetime import datetime, timezone
 
-from trainer import layout
-from trainer.fsutil import append_durable
+from ckptflow.trainer import layout
+from ckptflow.trainer.fsutil import append_durable
 
 log = logging.getLogger(__name__)
 

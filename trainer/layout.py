@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 
-from trainer.errors import ConfigError, UnsafePathError
+from ckptflow.trainer.errors import ConfigError, UnsafePathError
 
 STEP_PREFIX = "step_"
 STEP_DIGITS = 9

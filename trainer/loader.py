@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from trainer.distenv import DistEnv
-from trainer.errors import IntegrityError
-from trainer.manifest import Manifest
-from trainer.state import (
+from ckptflow.trainer.distenv import DistEnv
+from ckptflow.trainer.errors import IntegrityError
+from ckptflow.trainer.manifest import Manifest
+from ckptflow.trainer.state import (
     RNG_TAG,
     TRAIN_TAG,
     apply_loaded_state,

@@ -22,9 +22,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from trainer import layout
-from trainer.checksum import ALGORITHM
-from trainer.errors import ConfigError, IntegrityError, ManifestError, UnsafePathError
+from ckptflow.trainer import layout
+from ckptflow.trainer.checksum import ALGORITHM
+from ckptflow.trainer.errors import ConfigError, IntegrityError, ManifestError, UnsafePathError
 
 FORMAT = "ckptflow.manifest"
 FORMAT_VERSION = 1

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from trainer import commit, layout
-from trainer.errors import CheckpointNotFoundError, MismatchError
-from trainer.manifest import Manifest
-from trainer.verify import share_of_files, verify_checkpoint
+from ckptflow.trainer import commit, layout
+from ckptflow.trainer.errors import CheckpointNotFoundError, MismatchError
+from ckptflow.trainer.manifest import Manifest
+from ckptflow.trainer.verify import share_of_files, verify_checkpoint
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The restore sanity step: prove a checkpoint restores, not just that its bytes match.
 
-    python -m trainer.sanity CKPT_DIR [--out result.json] [--stats stats.json]
-    torchrun --nproc-per-node=3 -m trainer.sanity CKPT_DIR ...   # at another world size
+    python -m ckptflow.trainer.sanity CKPT_DIR [--out result.json] [--stats stats.json]
+    torchrun --nproc-per-node=3 -m ckptflow.trainer.sanity CKPT_DIR ...   # at another world size
 
 In a fresh process: verify every file against the manifest, rebuild the model,
 optimizer and LR schedule with the builder the manifest names, load the checkpoint
@@ -33,10 +33,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer.distenv import init_distributed, shutdown
-from trainer.errors import CkptflowError, ConfigError
-from trainer.loader import load_verified
-from trainer.resume import _verify_together
+from ckptflow.trainer.distenv import init_distributed, shutdown
+from ckptflow.trainer.errors import CkptflowError, ConfigError
+from ckptflow.trainer.loader import load_verified
+from ckptflow.trainer.resume import _verify_together
 
 
 BUILDERS_ENV = "CKPTFLOW_SANITY_BUILDERS"
@@ -45,7 +45,7 @@ BUILDERS_ENV = "CKPTFLOW_SANITY_BUILDERS"
 def allowed_builders() -> set[str]:
     """Builders the sanity step may import: the reference job's, plus ``$CKPTFLOW_SANITY_BUILDERS``
     (comma-separated ``module:function``; register your own model's builder there)."""
-    from trainer.reference import BUILDER
+    from ckptflow.trainer.reference.build import BUILDER
 
     extra = os.environ.get(BUILDERS_ENV, "")
     return {BUILDER} | {b.strip() for b in extra.split(",") if b.strip()}
@@ -147,7 +147,7 @@ def run(ckpt_dir: str, *, rtol: float = 1e-5, want_stats: bool = False) -> dict[
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trainer.sanity", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m ckptflow.trainer.sanity", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("ckpt_dir")
     p.add_argument("--out", help="write the JSON result here (rank 0)")

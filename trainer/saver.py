@@ -39,10 +39,10 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
-from trainer import faults, layout
-from trainer.checksum import hash_file
-from trainer.errors import SaveError
-from trainer.manifest import FileEntry, Manifest
+from ckptflow.trainer import faults, layout
+from ckptflow.trainer.checksum import hash_file
+from ckptflow.trainer.errors import SaveError
+from ckptflow.trainer.manifest import FileEntry, Manifest
 
 log = logging.getLogger(__name__)
 
@@ -257,7 +257,7 @@ class AsyncSaver:
 
     def _coordinate(self, gathered: list, req: SaveRequest) -> tuple[str, Any]:
         """Rank 0: build the manifest from every rank's entries and commit."""
-        from trainer.commit import commit_checkpoint  # local: keeps import graph flat
+        from ckptflow.trainer.commit import commit_checkpoint  # local: keeps import graph flat
 
         errors = [f"rank {r}: {e}" for r, (_, e, _) in enumerate(gathered) if e]
         if errors:
@@ -289,7 +289,7 @@ class AsyncSaver:
     def _discard_tmp(req: SaveRequest) -> None:
         # Every rank has finished writing (they all reached the gather): the partial
         # dir can go now instead of lingering until the next start-up.
-        from trainer.fsutil import remove_tree
+        from ckptflow.trainer.fsutil import remove_tree
 
         try:
             remove_tree(os.path.join(req.run_path, layout.tmp_name(req.step)))

@@ -13,10 +13,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from trainer import layout
-from trainer.checksum import hash_file
-from trainer.errors import IntegrityError, UnsafePathError
-from trainer.manifest import Manifest, read_manifest
+from ckptflow.trainer import layout
+from ckptflow.trainer.checksum import hash_file
+from ckptflow.trainer.errors import IntegrityError, UnsafePathError
+from ckptflow.trainer.manifest import Manifest, read_manifest
 
 
 @dataclass(frozen=True, slots=True)

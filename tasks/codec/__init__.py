@@ -15,12 +15,12 @@ are; ``tasks.codec.tool`` compresses whole checkpoint directories.
 
 from __future__ import annotations
 
-from tasks.codec.base import Codec, CodecStats
-from tasks.codec.bytegroup import BytegroupCodec
-from tasks.codec.container import ContainerError
-from tasks.codec.dtypemap import DtypeMap, Range, dtype_maps_for_checkpoint
-from tasks.codec.plain import NoneCodec, ZstdCodec
-from trainer.errors import ConfigError
+from ckptflow.tasks.codec.base import Codec, CodecStats
+from ckptflow.tasks.codec.bytegroup import BytegroupCodec
+from ckptflow.tasks.codec.container import ContainerError
+from ckptflow.tasks.codec.dtypemap import DtypeMap, Range, dtype_maps_for_checkpoint
+from ckptflow.tasks.codec.plain import NoneCodec, ZstdCodec
+from ckptflow.trainer.errors import ConfigError
 
 _CODECS = {"bytegroup": BytegroupCodec, "zstd": ZstdCodec, "none": NoneCodec}
 

@@ -16,11 +16,11 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, BinaryIO, Protocol, runtime_checkable
 
-from trainer.checksum import new_hasher
-from trainer.errors import ConfigError
+from ckptflow.trainer.checksum import new_hasher
+from ckptflow.trainer.errors import ConfigError
 
 if TYPE_CHECKING:
-    from tasks.codec.dtypemap import DtypeMap
+    from ckptflow.tasks.codec.dtypemap import DtypeMap
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,14 +33,14 @@ import numpy as np
 import xxhash
 import zstandard
 
-from tasks.codec import container as ckz
-from tasks.codec.base import (CodecStats, HashingReader, HashingWriter, default_threads,
+from ckptflow.tasks.codec import container as ckz
+from ckptflow.tasks.codec.base import (CodecStats, HashingReader, HashingWriter, default_threads,
                               read_full)
-from tasks.codec.dtypemap import DtypeMap
-from tasks.codec.grouping import KINDS, PLAIN, merge, split
-from tasks.codec.plain import check_level
-from trainer.checksum import new_hasher
-from trainer.errors import ConfigError
+from ckptflow.tasks.codec.dtypemap import DtypeMap
+from ckptflow.tasks.codec.grouping import KINDS, PLAIN, merge, split
+from ckptflow.tasks.codec.plain import check_level
+from ckptflow.trainer.checksum import new_hasher
+from ckptflow.trainer.errors import ConfigError
 
 DEFAULT_CHUNK = 4 << 20
 DEFAULT_LEVEL = 1

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from trainer.errors import CodecError
+from ckptflow.trainer.errors import CodecError
 
 MAGIC = b"\x89CKZ\r\n\x1a\n"  # PNG-style: catches 7-bit and CRLF-mangling transfers
 VERSION = 1

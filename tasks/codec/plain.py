@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, BinaryIO
 
 import zstandard
 
-from tasks.codec.base import (CodecStats, HashingReader, HashingWriter, default_threads,
+from ckptflow.tasks.codec.base import (CodecStats, HashingReader, HashingWriter, default_threads,
                               read_full, where)
-from trainer.errors import CodecError, ConfigError
+from ckptflow.trainer.errors import CodecError, ConfigError
 
 if TYPE_CHECKING:
-    from tasks.codec.dtypemap import DtypeMap
+    from ckptflow.tasks.codec.dtypemap import DtypeMap
 
 COPY_BLOCK = 1 << 20
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"

@@ -19,12 +19,12 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 
-import trainer.dcpmeta  # noqa: F401  (imports torch now, not inside the timed work)
-from tasks.codec import DtypeMap, dtype_maps_for_checkpoint, get_codec
-from trainer import fsutil, layout
-from trainer.errors import CheckpointNotFoundError, ConfigError, IntegrityError
-from trainer.manifest import FORMAT as MANIFEST_FORMAT
-from trainer.manifest import MAX_MANIFEST_BYTES, read_manifest
+import ckptflow.trainer.dcpmeta  # noqa: F401  (imports torch now, not inside the timed work)
+from ckptflow.tasks.codec import DtypeMap, dtype_maps_for_checkpoint, get_codec
+from ckptflow.trainer import fsutil, layout
+from ckptflow.trainer.errors import CheckpointNotFoundError, ConfigError, IntegrityError
+from ckptflow.trainer.manifest import FORMAT as MANIFEST_FORMAT
+from ckptflow.trainer.manifest import MAX_MANIFEST_BYTES, read_manifest
 
 INDEX = "ckptflow-codec.json"
 INDEX_FORMAT = "ckptflow.codec-index"
@@ -123,7 +123,7 @@ def _check_metadata(src_dir: str) -> None:
         head = None
     if not isinstance(head, dict) or head.get("format") != MANIFEST_FORMAT:
         return  # not a ckptflow checkpoint: the restricted unpickler is the guard
-    from trainer.verify import check_file
+    from ckptflow.trainer.verify import check_file
 
     entry = read_manifest(src_dir).files.get(layout.DCP_METADATA)
     if entry is None:

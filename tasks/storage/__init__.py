@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tasks.storage.index import StoredFile, TierIndex
-from tasks.storage.leases import Lease, acquire_lease, active_leases, leased_steps
-from tasks.storage.tier import StoredCheckpoint, Tier
+from ckptflow.tasks.storage.index import StoredFile, TierIndex
+from ckptflow.tasks.storage.leases import Lease, acquire_lease, active_leases, leased_steps
+from ckptflow.tasks.storage.tier import StoredCheckpoint, Tier
 
 if TYPE_CHECKING:
-    from tasks.config import CkptflowConfig
+    from ckptflow.tasks.config import CkptflowConfig
 
 
 def open_tiers(config: "CkptflowConfig") -> list[Tier]:

@@ -27,10 +27,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer import layout
-from trainer.checksum import ALGORITHM, hash_bytes
-from trainer.errors import ManifestError, UnsafePathError
-from trainer.manifest import Manifest
+from ckptflow.trainer import layout
+from ckptflow.trainer.checksum import ALGORITHM, hash_bytes
+from ckptflow.trainer.errors import ManifestError, UnsafePathError
+from ckptflow.trainer.manifest import Manifest
 
 INDEX_FORMAT = "ckptflow.tier-index"
 INDEX_VERSION = 1

@@ -21,10 +21,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from trainer import layout
-from trainer.errors import ConfigError
+from ckptflow.trainer import layout
+from ckptflow.trainer.errors import ConfigError
 
-from tasks.storage.tier import Tier
+from ckptflow.tasks.storage.tier import Tier
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.errors import StorageError
+from ckptflow.trainer.errors import StorageError
 
-from tasks.config import TierConfig
+from ckptflow.tasks.config import TierConfig
 
 # Object metadata (x-amz-meta-*) written with every data object, so a re-run can tell
 # from a HEAD, without downloading, that an object is already complete and correct.

@@ -24,16 +24,16 @@ from typing import Any
 
 import fsspec
 
-from trainer import layout
-from trainer.checksum import hash_bytes
-from trainer.errors import CheckpointNotFoundError, ManifestError, StorageError, UnsafePathError
-from trainer.fsutil import fsync_dir, remove_tree, rename_durable, replace_atomic
-from trainer.manifest import MAX_MANIFEST_BYTES, Manifest
-from trainer.verify import resolve_member
+from ckptflow.trainer import layout
+from ckptflow.trainer.checksum import hash_bytes
+from ckptflow.trainer.errors import CheckpointNotFoundError, ManifestError, StorageError, UnsafePathError
+from ckptflow.trainer.fsutil import fsync_dir, remove_tree, rename_durable, replace_atomic
+from ckptflow.trainer.manifest import MAX_MANIFEST_BYTES, Manifest
+from ckptflow.trainer.verify import resolve_member
 
-from tasks.config import TierConfig
-from tasks.storage.index import TierIndex, identity_index, parse_marker
-from tasks.storage.s3 import S3Objects
+from ckptflow.tasks.config import TierConfig
+from ckptflow.tasks.storage.index import TierIndex, identity_index, parse_marker
+from ckptflow.tasks.storage.s3 import S3Objects
 
 log = logging.getLogger(__name__)
 

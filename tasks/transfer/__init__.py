@@ -11,11 +11,11 @@ Plain typed functions (no Prefect): the flows wrap them as tasks.
 
 from __future__ import annotations
 
-from tasks.transfer._archive import archive
-from tasks.transfer._fetch import fetch, progress_total
-from tasks.transfer._promote import compress, promote
-from tasks.transfer._restore import restore
-from tasks.transfer.results import FaultHook, FetchResult, RestoreResult, Skipped, TransferResult
+from ckptflow.tasks.transfer._archive import archive
+from ckptflow.tasks.transfer._fetch import fetch, progress_total
+from ckptflow.tasks.transfer._promote import compress, promote
+from ckptflow.tasks.transfer._restore import restore
+from ckptflow.tasks.transfer.results import FaultHook, FetchResult, RestoreResult, Skipped, TransferResult
 
 __all__ = [
     "FaultHook", "FetchResult", "RestoreResult", "Skipped", "TransferResult", "archive",

@@ -27,17 +27,17 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from trainer import layout
-from trainer.checksum import hash_bytes, hash_file
-from trainer.errors import ConfigError, IntegrityError, ManifestError, StorageError
+from ckptflow.trainer import layout
+from ckptflow.trainer.checksum import hash_bytes, hash_file
+from ckptflow.trainer.errors import ConfigError, IntegrityError, ManifestError, StorageError
 
-from tasks.storage.index import StoredFile, TierIndex, marker_json
-from tasks.storage.s3 import (META_CODEC, META_LEVEL, META_RAW, META_RAW_SIZE, META_STORED,
+from ckptflow.tasks.storage.index import StoredFile, TierIndex, marker_json
+from ckptflow.tasks.storage.s3 import (META_CODEC, META_LEVEL, META_RAW, META_RAW_SIZE, META_STORED,
                               ObjectInfo)
-from tasks.storage.tier import StoredCheckpoint, Tier
-from tasks.transfer import _streams as streams
-from tasks.transfer._pool import run_all
-from tasks.transfer.results import FaultHook, TransferResult, no_fault
+from ckptflow.tasks.storage.tier import StoredCheckpoint, Tier
+from ckptflow.tasks.transfer import _streams as streams
+from ckptflow.tasks.transfer._pool import run_all
+from ckptflow.tasks.transfer.results import FaultHook, TransferResult, no_fault
 
 log = logging.getLogger(__name__)
 

@@ -25,16 +25,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from trainer import layout
-from trainer.checksum import hash_file
-from trainer.errors import CodecError, ConfigError, IntegrityError
+from ckptflow.trainer import layout
+from ckptflow.trainer.checksum import hash_file
+from ckptflow.trainer.errors import CodecError, ConfigError, IntegrityError
 
-from tasks.codec import get_codec
-from tasks.storage.index import StoredFile, TierIndex
-from tasks.storage.tier import StoredCheckpoint, Tier
-from tasks.transfer import _streams as streams
-from tasks.transfer._pool import run_all
-from tasks.transfer.results import FetchResult
+from ckptflow.tasks.codec import get_codec
+from ckptflow.tasks.storage.index import StoredFile, TierIndex
+from ckptflow.tasks.storage.tier import StoredCheckpoint, Tier
+from ckptflow.tasks.transfer import _streams as streams
+from ckptflow.tasks.transfer._pool import run_all
+from ckptflow.tasks.transfer.results import FetchResult
 
 Progress = Callable[[int], None]
 """Called with a number of bytes just processed (from worker threads: it must be thread-safe;

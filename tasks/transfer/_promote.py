@@ -26,16 +26,16 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from trainer import layout
-from trainer.checksum import hash_bytes
-from trainer.errors import ConfigError, IntegrityError, ManifestError, StorageError
-from trainer.fsutil import fsync_dir, remove_tree, write_durable
+from ckptflow.trainer import layout
+from ckptflow.trainer.checksum import hash_bytes
+from ckptflow.trainer.errors import ConfigError, IntegrityError, ManifestError, StorageError
+from ckptflow.trainer.fsutil import fsync_dir, remove_tree, write_durable
 
-from tasks.storage.index import StoredFile, TierIndex
-from tasks.storage.tier import StoredCheckpoint, Tier
-from tasks.transfer import _streams as streams
-from tasks.transfer._pool import run_all
-from tasks.transfer.results import FaultHook, TransferResult, no_fault
+from ckptflow.tasks.storage.index import StoredFile, TierIndex
+from ckptflow.tasks.storage.tier import StoredCheckpoint, Tier
+from ckptflow.tasks.transfer import _streams as streams
+from ckptflow.tasks.transfer._pool import run_all
+from ckptflow.tasks.transfer.results import FaultHook, TransferResult, no_fault
 
 log = logging.getLogger(__name__)
 

@@ -21,12 +21,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from trainer.errors import CheckpointNotFoundError, CkptflowError, CodecError, IntegrityError
+from ckptflow.trainer.errors import CheckpointNotFoundError, CkptflowError, CodecError, IntegrityError
 
-from tasks.storage.leases import acquire_lease
-from tasks.storage.tier import Tier
-from tasks.transfer._fetch import fetch
-from tasks.transfer.results import RestoreResult, Skipped
+from ckptflow.tasks.storage.leases import acquire_lease
+from ckptflow.tasks.storage.tier import Tier
+from ckptflow.tasks.transfer._fetch import fetch
+from ckptflow.tasks.transfer.results import RestoreResult, Skipped
 
 log = logging.getLogger(__name__)
 

@@ -21,13 +21,13 @@ import queue
 import threading
 from typing import BinaryIO
 
-from trainer import layout
-from trainer.checksum import hash_file, new_hasher
-from trainer.errors import CkptflowError, CodecError, IntegrityError
-from trainer.verify import check_file
+from ckptflow.trainer import layout
+from ckptflow.trainer.checksum import hash_file, new_hasher
+from ckptflow.trainer.errors import CkptflowError, CodecError, IntegrityError
+from ckptflow.trainer.verify import check_file
 
-from tasks.codec import Codec, CodecStats, get_codec
-from tasks.storage.tier import StoredCheckpoint, Tier
+from ckptflow.tasks.codec import Codec, CodecStats, get_codec
+from ckptflow.tasks.storage.tier import StoredCheckpoint, Tier
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +224,7 @@ def dtype_maps(src: Tier, ckpt: StoredCheckpoint, codec: str) -> dict[str, objec
     if problem is not None:
         raise IntegrityError(f"{problem}; not parsing it", path=problem.path)
     try:
-        from tasks.codec import dtype_maps_for_checkpoint
+        from ckptflow.tasks.codec import dtype_maps_for_checkpoint
 
         return dict(dtype_maps_for_checkpoint(ckpt.uri))
     except (CkptflowError, OSError, ValueError) as e:

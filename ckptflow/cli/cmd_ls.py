@@ -1,0 +1,198 @@
+"""``ckptflow ls [ROOT|RUN]``: every checkpoint across the tiers, one row per step."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from ckptflow.cli.common import config_option, json_option, one_line_errors
+
+
+@dataclass(slots=True)
+class Row:
+    run_id: str
+    step: int
+    tiers: list[str] = field(default_factory=list)
+    """Tiers where the step is committed (and its manifest/index read back)."""
+    raw_bytes: int | None = None
+    stored_bytes: dict[str, int] = field(default_factory=dict)
+    codec: dict[str, str] = field(default_factory=dict)
+    stages: list[str] = field(default_factory=list)
+    """Lifecycle stage records on hot (verified, compressed, promoted, archived, pruned)."""
+    verified: bool = False
+    """The verify stage passed it, or a warm/cold tier holds a copy (checked before commit)."""
+    quarantined: bool = False
+    quarantine_reasons: list[str] = field(default_factory=list)
+    pinned: list[str] = field(default_factory=list)
+    latest: list[str] = field(default_factory=list)
+    """Tiers whose ``latest`` names this step."""
+    problems: dict[str, str] = field(default_factory=dict)
+    """Tier -> why its copy could not be read (damaged index or manifest)."""
+
+
+@one_line_errors
+def ls(
+    target: Optional[str] = typer.Argument(
+        None, metavar="[ROOT|RUN]", show_default=False,
+        help="A run id (that run on every tier); or an existing directory: a hot root (all its "
+             "runs), or one run's directory inside it. Default: every run on every tier."),
+    config: Optional[Path] = config_option(),
+    as_json: bool = json_option(),
+) -> None:
+    """List checkpoints across tiers: step, tiers, size, stored size, stages, verified, pinned.
+
+    Reads manifests, tier indexes and lifecycle records only (run `ckptflow verify DIR` to
+    re-hash a checkpoint's bytes). A copy whose manifest or index is damaged is listed with
+    the problem. Exit 0; 3 when RUN has no checkpoint anywhere; 4 when a tier could not be
+    listed (the others are still shown).
+    """
+    import dataclasses
+
+    from ckptflow.cli.common import check_run, fail, hint, load, tiers
+    from ckptflow.cli.errors import EXIT_ERROR, EXIT_NOT_FOUND
+    from ckptflow.trainer import layout
+
+    cfg = load(config)
+    run_filter: str | None = None
+    if target is not None and os.path.isdir(target):
+        root = os.path.abspath(target)
+        if _looks_like_run(root):
+            root, run_filter = os.path.dirname(root), check_run(os.path.basename(root))
+        cfg = dataclasses.replace(cfg, hot=dataclasses.replace(cfg.hot, url=root))
+    elif target is not None:
+        if "/" in target or os.sep in target:
+            fail(f"{target}: no such directory (give an existing hot root, a run directory, or a "
+                 "run id)", EXIT_NOT_FOUND)
+        run_filter = check_run(target)
+
+    rows, unreachable = collect(cfg, run_filter)
+    for name, why in unreachable.items():
+        hint(f"warning: tier {name} could not be listed: {why}")
+    if run_filter is not None and not rows and not unreachable:
+        fail(f"run {run_filter!r} has no committed checkpoint on any tier "
+             f"({', '.join(f'{t.name} {t.url}' for t in tiers(cfg))}); `ckptflow ls` lists the runs",
+             EXIT_NOT_FOUND)
+    if as_json:
+        print(json.dumps({"config": cfg.source, "tiers": {t.name: t.url for t in cfg.tiers()},
+                          "unreachable": unreachable,
+                          "checkpoints": [asdict(r) for r in rows]}, indent=1))
+    else:
+        _table(cfg, rows, layout)
+    if unreachable:
+        raise typer.Exit(EXIT_ERROR)
+
+
+def _looks_like_run(path: str) -> bool:
+    from ckptflow.trainer import layout
+
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    return layout.LATEST in names or any(layout.parse_step(n) is not None for n in names)
+
+
+def collect(cfg: Any, run_filter: str | None = None) -> tuple[list[Row], dict[str, str]]:
+    """Rows for every committed checkpoint (of ``run_filter``) on every tier, and the tiers
+    that could not be listed (name -> reason)."""
+    from ckptflow.tasks import records
+    from ckptflow.tasks.storage import open_tiers
+    from ckptflow.trainer import layout
+    from ckptflow.trainer.errors import CkptflowError
+
+    found: dict[tuple[str, int], Row] = {}
+    unreachable: dict[str, str] = {}
+    latest_of: dict[tuple[str, str], int | None] = {}
+    for tier in open_tiers(cfg):
+        try:
+            runs = [run_filter] if run_filter else tier.list_runs()
+            for run in runs:
+                steps = tier.committed_steps(run)
+                if not steps:
+                    continue
+                pins = tier.pinned_steps(run)
+                latest_of[(tier.name, run)] = tier.latest_step(run)
+                for s in steps:
+                    row = found.setdefault((run, s), Row(run, s))
+                    try:
+                        ck = tier.open_checkpoint(run, s)
+                    except (CkptflowError, OSError) as e:
+                        row.problems[tier.name] = str(e)
+                        continue
+                    row.tiers.append(tier.name)
+                    row.raw_bytes = ck.manifest.total_bytes
+                    row.stored_bytes[tier.name] = ck.index.total_stored_bytes
+                    row.codec[tier.name] = ck.index.codec
+                    if tier.name != "hot" and ck.has_tier_index:
+                        row.verified = True  # checked byte for byte before that tier committed it
+                    if s in pins:
+                        row.pinned.append(tier.name)
+                    if latest_of[(tier.name, run)] == s:
+                        row.latest.append(tier.name)
+        except Exception as e:  # noqa: BLE001 - storage clients raise many types (botocore's
+            # EndpointConnectionError is no OSError); one dead tier must not hide the others
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            unreachable[tier.name] = f"{tier.url}: {type(e).__name__}: {first}"
+    hot_root = cfg.hot.url
+    for (run, s), row in found.items():
+        run_path = layout.run_dir(hot_root, run)
+        st = records.status(run_path, s) if os.path.isdir(run_path) else {}
+        row.stages = [x for x in records.STAGES if x in st]
+        if "verified" in st:
+            row.verified = True
+        q = st.get(records.QUARANTINED)
+        if q is not None:
+            row.quarantined, row.verified = True, False
+            row.quarantine_reasons = [str(x) for x in q.get("reasons", [])] or ["no reason recorded"]
+    return sorted(found.values(), key=lambda r: (r.run_id, r.step)), unreachable
+
+
+def status_text(r: Row) -> str:
+    if r.quarantined:
+        return "QUARANTINED (" + "; ".join(r.quarantine_reasons)[:120] + ")"
+    bad = "; ".join(f"{t}: {p}" for t, p in r.problems.items())
+    base = "verified" if r.verified else "not verified"
+    return f"{base}; DAMAGED {bad[:120]}" if bad else base
+
+
+def _table(cfg: Any, rows: list[Row], layout: Any) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
+    from ckptflow.cli.common import console, human_bytes
+
+    con = console()
+    if not rows:
+        con.print(f"no checkpoints on {', '.join(f'{t.name} ({t.url})' for t in cfg.tiers())}")
+        return
+    names = [t.name for t in cfg.tiers()]
+    tbl = Table(title=f"checkpoints ({cfg.source})", title_justify="left")
+    for col, just in (("run", "left"), ("step", "right"), ("tiers", "left"), ("raw", "right")):
+        tbl.add_column(col, justify=just, no_wrap=True)
+    for n in names:
+        tbl.add_column(f"stored {n}", justify="right", no_wrap=True)
+    tbl.add_column("stages", no_wrap=True)  # initials, legend under the table (keeps 80 columns)
+    tbl.add_column("status", overflow="fold", min_width=12)  # the one column that wraps (reasons)
+    tbl.add_column("pinned", no_wrap=True)
+    tbl.add_column("latest", no_wrap=True)
+    for r in rows:
+        style = "red" if r.quarantined or r.problems else ("green" if r.verified else "yellow")
+        tbl.add_row(r.run_id, str(r.step), ",".join(r.tiers) or "-", human_bytes(r.raw_bytes),
+                    *[human_bytes(r.stored_bytes.get(n)) for n in names],
+                    "".join(STAGE_MARK.get(x, "?") for x in r.stages) or "-", Text(status_text(r), style=style),
+                    ",".join(r.pinned) or "-", ",".join(r.latest) or "-")
+    con.print(tbl)
+    con.print("stages: V verified, C compressed, P promoted, A archived, R retention applied (from the hot "
+              "run's _lifecycle records; --json gives the names)")
+
+
+STAGE_MARK = {"verified": "V", "compressed": "C", "promoted": "P", "archived": "A", "pruned": "R"}
+
+
+def register(app: typer.Typer) -> None:
+    app.command("ls")(ls)

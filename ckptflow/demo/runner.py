@@ -1,0 +1,208 @@
+"""``ckptflow demo`` end to end, as one function that returns what happened.
+
+1. a Prefect server (SQLite under the demo folder) and an S3-compatible server start;
+2. ``flows.serve`` serves the deployments (lifecycle on the commit event, drill, reconcile);
+3. a 2-rank torchrun job trains with checkpoints; one worker is SIGKILLed mid-run and
+   torchrun restarts it; the run resumes from the newest committed checkpoint;
+4. every commit's lifecycle runs (verify -> compress -> promote -> archive -> prune);
+5. a restore drill restores the newest cold checkpoint at another world size;
+6. the summary says what is where, how big, verified or not, and the recovery time.
+Everything started is stopped on the way out, Ctrl-C included.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ckptflow.demo import services
+from ckptflow.demo.procs import Supervisor
+from ckptflow.demo.training import run_training
+from ckptflow.trainer import layout
+
+RUN_ID = "demo"
+BUCKET = "ckptflow-demo"
+
+
+@dataclass
+class DemoSettings:
+    workdir: str
+    steps: int = 120
+    save_every: int = 20
+    model: str = "mini"
+    kill_at: int | None = 50
+    timeout_s: float = 600.0
+
+
+@dataclass
+class DemoOutcome:
+    workdir: str
+    config: str
+    training: Any = None
+    checkpoints: list[dict] = field(default_factory=list)
+    lifecycle_states: dict[str, str] = field(default_factory=dict)
+    drill: dict | None = None
+    replay_identical: tuple[int, int] = (0, 0)
+    seconds: float = 0.0
+    ok: bool = False
+    problems: list[str] = field(default_factory=list)
+
+
+def _wait_deployments(names: list[str], timeout: float) -> None:
+    from prefect.client.orchestration import get_client
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with get_client(sync_client=True) as c:
+                for n in names:
+                    c.read_deployment_by_name(n)
+            return
+        except Exception:
+            time.sleep(1)
+    raise TimeoutError(f"deployments {names} were not registered within {timeout:.0f} s (see serve.log)")
+
+
+def _lifecycle_states() -> dict[str, str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    with get_client(sync_client=True) as c:
+        runs = c.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=f"lifecycle-{RUN_ID}-step")),
+                                limit=200)
+    return {r.name: r.state_type.value for r in runs}
+
+
+def _wait_lifecycles(steps: list[int], timeout: float, say: Callable[[str], None]) -> dict[str, str]:
+    want = {f"lifecycle-{RUN_ID}-step{s}" for s in steps}
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        st = _lifecycle_states()
+        done = {n for n in want if st.get(n) in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")}
+        if len(done) != last:
+            say(f"  lifecycles finished: {len(done)}/{len(want)}")
+            last = len(done)
+        if done == want:
+            return st
+        time.sleep(2)
+    return _lifecycle_states()
+
+
+def _checkpoint_rows(cfg_path: str, run_path: str, steps: list[int]) -> list[dict]:
+    from ckptflow.tasks import records
+    from ckptflow.tasks.config import load_config
+    from ckptflow.tasks.storage import Tier
+
+    cfg = load_config(cfg_path)
+    tiers = {t.name: Tier(t) for t in cfg.tiers()}
+    rows = []
+    for s in steps:
+        row: dict[str, Any] = {"step": s, "tiers": [], "raw": None, "stored": {}}
+        for name, t in tiers.items():
+            if t.is_committed(RUN_ID, s):
+                row["tiers"].append(name)
+                idx = t.read_index(RUN_ID, s) if name != "hot" else None
+                row["raw"] = row["raw"] or t.read_manifest(RUN_ID, s).total_bytes
+                if idx is not None:
+                    row["stored"][name] = idx.total_stored_bytes
+        st = records.status(run_path, s)
+        v = st.get("verified")
+        row["verified"] = bool(v)
+        row["probe"] = (v or {}).get("sanity", {}).get("probe_match")
+        row["quarantined"] = (st.get("quarantined") or {}).get("reasons")
+        row["stages"] = [k for k in ("verified", "compressed", "promoted", "archived", "pruned") if k in st]
+        rows.append(row)
+    return rows
+
+
+def _replays(run_path: str) -> tuple[int, int]:
+    """(identical, total) losses of steps trained twice (before the kill and after the resume)."""
+    from ckptflow.tasks.report import read_metrics
+
+    seen: dict[int, float] = {}
+    same = total = 0
+    for r in read_metrics(run_path):
+        if r["step"] in seen:
+            total += 1
+            same += seen[r["step"]] == r["loss"]
+        seen[r["step"]] = r["loss"]
+    return same, total
+
+
+def run_demo(s: DemoSettings, say: Callable[[str], None] = print) -> DemoOutcome:
+    t0 = time.monotonic()
+    wd = os.path.abspath(s.workdir)
+    shutil.rmtree(wd, ignore_errors=True)
+    logs = os.path.join(wd, "logs")
+    os.makedirs(logs)
+    out = DemoOutcome(workdir=wd, config=os.path.join(wd, "ckptflow.toml"))
+    with Supervisor() as sup:
+        say("starting a Prefect server (SQLite) and an S3-compatible server on 127.0.0.1 ...")
+        s3_url, s3p = services.start_s3(sup, logs)
+        api, pp = services.start_prefect(sup, os.path.join(wd, "prefect"), logs)
+        services.wait_http(s3_url, 60, "the S3 server", s3p)
+        os.environ.update(services.DEMO_AWS)
+        services.make_bucket(s3_url, BUCKET)
+        services.demo_config(out.config, workdir=wd, s3_endpoint=s3_url, bucket=BUCKET)
+        services.wait_http(api + "/health", 120, "the Prefect server", pp)
+        # From here on this process is a Prefect client of the demo server.
+        os.environ.update(PREFECT_API_URL=api, PREFECT_HOME=os.path.join(wd, "prefect"),
+                          PREFECT_SERVER_ANALYTICS_ENABLED="false", CKPTFLOW_CONFIG=out.config,
+                          PREFECT_LOGGING_LEVEL=os.environ.get("PREFECT_LOGGING_LEVEL", "WARNING"))
+        env = dict(os.environ, OMP_NUM_THREADS="1", PREFECT_LOGGING_LEVEL="INFO")  # full logs in logs/
+        say(f"  Prefect API {api}; S3 {s3_url} (bucket {BUCKET}); config {out.config}")
+        sup.start("serve", [sys.executable, "-m", "ckptflow.flows.serve", "--config", out.config, "--reconcile-every", "3600"],
+                  env=env, log=open(os.path.join(logs, "serve.log"), "w"))
+        _wait_deployments(["ckptflow-lifecycle/lifecycle"], 90)
+        say("serving deployments: lifecycle (on ckptflow.checkpoint.committed), reconcile, restore-drill")
+        say(f"training: torchrun 2 ranks (gloo, FSDP2), model {s.model}, {s.steps} steps, checkpoint every "
+            f"{s.save_every}" + (f", SIGKILL of one worker after step {s.kill_at}" if s.kill_at else ""))
+        out.training = run_training(sup, root=os.path.join(wd, "hot"), run_id=RUN_ID, steps=s.steps,
+                                    save_every=s.save_every, model=s.model, kill_at=s.kill_at, env=env,
+                                    log_dir=logs, say=say)
+        if out.training.returncode != 0:
+            out.problems.append(f"training failed (exit {out.training.returncode}); log: {out.training.log_path}")
+            return out
+        if out.training.resumed_from is not None:
+            say(f"  torchrun restarted the workers; the run resumed from step {out.training.resumed_from}")
+        run_path = os.path.join(wd, "hot", RUN_ID)
+        out.replay_identical = _replays(run_path)
+        from ckptflow.trainer.events import read_outbox
+
+        steps = sorted({int(x["step"]) for x in read_outbox(run_path)})
+        say(f"waiting for the lifecycle of {len(steps)} checkpoints {steps} ...")
+        out.lifecycle_states = _wait_lifecycles(steps, max(60.0, s.timeout_s - (time.monotonic() - t0)), say)
+        out.checkpoints = _checkpoint_rows(out.config, run_path, steps)
+        say("restore drill: newest cold checkpoint -> scratch -> sanity step at world size 1 ...")
+        from ckptflow.flows.drill import DrillFailed, restore_drill
+
+        try:
+            res = restore_drill(run_id=RUN_ID, config=out.config, random_older=False,
+                                history_dir=os.path.join(wd, "drills"))
+            out.drill = {"ok": True, **res["runs"][RUN_ID]}
+        except DrillFailed as e:
+            out.drill = {"ok": False, "error": str(e)}
+            out.problems.append(str(e))
+    bad = [n for n, st in out.lifecycle_states.items() if st != "COMPLETED"]
+    if bad:
+        out.problems.append(f"lifecycle runs not completed: {bad}")
+    out.seconds = time.monotonic() - t0
+    out.ok = not out.problems
+    with open(os.path.join(wd, "summary.json"), "w") as f:
+        json.dump({"ok": out.ok, "problems": out.problems, "checkpoints": out.checkpoints,
+                   "lifecycle_states": out.lifecycle_states, "drill": out.drill,
+                   "replay_identical": list(out.replay_identical), "seconds": out.seconds,
+                   "resumed_from": out.training.resumed_from if out.training else None,
+                   "killed_at_step": out.training.killed_at_step if out.training else None},
+                  f, indent=1, default=str)
+    return out
+
+
+def step_label(step: int) -> str:
+    return layout.step_name(step)
