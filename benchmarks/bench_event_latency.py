@@ -22,8 +22,7 @@ import sys
 import tempfile
 import time
 
-from ckptflow.demo import services
-from ckptflow.demo.procs import Supervisor
+from ckptflow.harness import PrefectServer, Supervisor, wait_deployments
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,9 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     logs = os.path.join(wd, "logs")
     os.makedirs(logs)
     try:
-        with Supervisor() as sup:
-            api, pp = services.start_prefect(sup, os.path.join(wd, "prefect"), logs)
-            services.wait_http(api + "/health", 120, "the Prefect server", pp)
+        with PrefectServer(os.path.join(wd, "prefect"), os.path.join(logs, "prefect.log")) as srv, \
+                Supervisor() as sup:
+            api = srv.url
             cfg = os.path.join(wd, "ckptflow.toml")
             with open(cfg, "w") as f:
                 f.write(f'[hot]\nurl = "{wd}/hot"\n[hot.retention]\nkeep_all = true\n'
@@ -46,9 +45,7 @@ def main(argv: list[str] | None = None) -> int:
             env = dict(os.environ)
             sup.start("serve", [sys.executable, "-m", "ckptflow.flows.serve", "--config", cfg, "--reconcile-every", "3600"],
                       env=env, log=open(os.path.join(logs, "serve.log"), "w"))
-            from ckptflow.demo.runner import _wait_deployments
-
-            _wait_deployments(["ckptflow-lifecycle/lifecycle"], 90)
+            wait_deployments(["ckptflow-lifecycle/lifecycle"], 90)
             time.sleep(3)
             n = a.checkpoints
             subprocess.run([sys.executable, "-m", "ckptflow.trainer.train", "--parallel", "none", "--ckpt-root",

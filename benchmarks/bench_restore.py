@@ -29,7 +29,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from ckptflow.demo.services import DEMO_AWS, free_port, wait_http
+from ckptflow.harness import LOCAL_AWS, MotoServer
 
 
 def plain_ranged_get(endpoint: str, bucket: str, keys: list[tuple[str, int]], dst: str, *, part: int,
@@ -69,14 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
-    os.environ.update(DEMO_AWS)
+    os.environ.update(LOCAL_AWS)
     work = tempfile.mkdtemp(prefix="ckptflow-bench-restore-")
-    port = free_port()
-    moto = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    moto = MotoServer()
     try:
-        endpoint = f"http://127.0.0.1:{port}"
-        wait_http(endpoint, 60, "moto", moto)
+        endpoint = moto.url
         import boto3
 
         from ckptflow.tasks.config import RetentionPolicy, TierConfig
@@ -126,8 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump(results, f, indent=1)
         return 0
     finally:
-        moto.terminate()
-        moto.wait(10)
+        moto.stop()
         shutil.rmtree(work, ignore_errors=True)
 
 

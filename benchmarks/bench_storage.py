@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,8 @@ import tempfile
 import threading
 import time
 import uuid
+
+from ckptflow.harness import MotoServer
 
 from ckptflow.tasks.config import TierConfig
 from ckptflow.tasks.storage import Tier
@@ -138,21 +139,9 @@ def empty_bucket(client, bucket: str) -> None:
             client.delete_objects(Bucket=bucket, Delete={"Objects": keys})
 
 
-def start_moto() -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return proc, f"http://127.0.0.1:{port}"
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise TimeoutError("moto server did not start")
+def start_moto() -> tuple[MotoServer, str]:
+    srv = MotoServer()
+    return srv, srv.url
 
 
 # ---- driver -------------------------------------------------------------------------
@@ -238,8 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                 empty_bucket(client, bucket)
         chunk_mb, conc = probe.config.multipart_chunksize_mb, probe.config.max_concurrency
     finally:
-        proc.terminate()
-        proc.wait(10)
+        proc.stop()
         shutil.rmtree(work, ignore_errors=True)
 
     # report ----------------------------------------------------------------------

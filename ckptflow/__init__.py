@@ -52,7 +52,10 @@ _LAZY = {
     "StorageError": "ckptflow.trainer.errors",
 }
 
-__all__ = sorted(_LAZY)
+__all__ = [
+    "CheckpointConfig", "CheckpointManager", "CheckpointNotFoundError", "CkptflowError", "ConfigError",
+    "IntegrityError", "ManifestError", "MismatchError", "Provenance", "SaveError", "SanitySpec", "StorageError",
+]
 
 
 def __getattr__(name: str) -> Any:

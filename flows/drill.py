@@ -18,14 +18,14 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
-from ckptflow.flows import events as fev
+from ckptflow.flows.emit import artifact_key, emit
 from ckptflow.flows.alerts import notify_on_failure
 from ckptflow.tasks.config import CkptflowConfig, load_config
 from ckptflow.tasks.drill import append_history, drill_one, pick_steps, read_history
 from ckptflow.tasks.report import drill_markdown, plot_drill, read_metrics
 from ckptflow.tasks.storage import Tier
-from ckptflow.trainer import layout
-from ckptflow.trainer.errors import ConfigError
+from ckptflow.trainer import events, layout
+from ckptflow.trainer.errors import CkptflowError, ConfigError
 
 
 def drill_tier(cfg: CkptflowConfig) -> Tier:
@@ -71,7 +71,7 @@ def restore_drill(run_id: str | None = None, config: str | None = None, step: in
             tier, rid, random_older=cfg.drill.random_older if random_older is None else random_older, seed=seed)
         if not steps:
             failures.append(f"{rid}: no committed checkpoint on the {tier.name} tier ({tier.url})")
-            fev.emit(fev.DRILL_FAILED, rid, -1, {"reason": failures[-1], "drill_id": _drill_id()},
+            emit(events.DRILL_FAILED, rid, -1, {"reason": failures[-1], "drill_id": _drill_id()},
                      key=_drill_id())
             continue
         earlier = read_history(history_dir, rid)
@@ -86,10 +86,10 @@ def restore_drill(run_id: str | None = None, config: str | None = None, step: in
                        "recovery_seconds": r["recovery_seconds"], "failure": r["failure"],
                        "drill_id": _drill_id()}
             if r["ok"]:
-                fev.emit(fev.DRILL_COMPLETED, rid, r["step"], payload, key=payload["drill_id"])
+                emit(events.DRILL_COMPLETED, rid, r["step"], payload, key=payload["drill_id"])
             else:
                 failures.append(f"{rid} {layout.step_name(r['step'])} ({r['uri']}): {r['failure']}")
-                fev.emit(fev.DRILL_FAILED, rid, r["step"], payload, key=payload["drill_id"])
+                emit(events.DRILL_FAILED, rid, r["step"], payload, key=payload["drill_id"])
         out["runs"][rid] = {"results": results, "plot": plot}
     out["ok"] = not failures
     if failures:
@@ -99,7 +99,7 @@ def restore_drill(run_id: str | None = None, config: str | None = None, step: in
     return out
 
 
-class DrillFailed(Exception):
+class DrillFailed(CkptflowError, RuntimeError):
     """A drill found a checkpoint that does not restore (the message names it)."""
 
 
@@ -133,7 +133,7 @@ def _plot(cfg: CkptflowConfig, run_id: str, tier: Tier, results: list[dict], his
 
 def _artifact(run_id: str, md: str) -> None:
     try:
-        create_markdown_artifact(key=f"drill-{run_id}".lower().replace("_", "-").replace(".", "-"), markdown=md,
+        create_markdown_artifact(key=artifact_key("drill", run_id), markdown=md,
                                  description=f"restore drill of {run_id}")
     except Exception as e:
         get_run_logger().warning("could not create the drill artifact: %s", e)

@@ -3,54 +3,82 @@
 Runs on an interval. For every run on the hot tier:
 
 1. **Unfinished commits** — a committed checkpoint (found on storage, or in the outbox)
-   whose lifecycle has not finished (no ``pruned`` record and not quarantined): its
-   event was lost while the server was down, or its flow crashed. The lifecycle runs
-   again as a subflow; its stages skip what is already done. Steps whose lifecycle is
-   running right now (a flow run in a non-final state) are left alone, so the event
-   path and reconcile never do the same work twice.
+   whose lifecycle has not finished (no record of its last stage and not quarantined):
+   its event was lost while the server was down, or its flow crashed. What to do with
+   each is :func:`decide`'s (a pure function of the step's flow runs on the server and
+   its heartbeat): leave it to a queued or live run, take over from a dead one (marked
+   Crashed on the server), or run the lifecycle as a subflow; its stages skip what is
+   already done, so the event path and reconcile never do the same work twice.
 2. **Age-based tier moves** — a checkpoint older than its tier's ``move_after_hours``
-   that the next tier lacks is copied there (promote or archive).
+   that the next tier lacks is brought there by the stage that does so (promote or
+   archive), through the same stage path as the lifecycle: lease, record, retries.
 3. **Stale ``.tmp``** — temporary dirs older than an hour are removed on every tier
    (a live save of the trainer is always younger).
 """
 
 from __future__ import annotations
 
+import enum
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from prefect import flow, get_run_logger
 
-from ckptflow.flows.lifecycle import lifecycle, with_hot_root
-from ckptflow.tasks import records
+from ckptflow.flows.lifecycle import lifecycle, run_name_prefix, run_stage_task
+from ckptflow.tasks.checkpoint import CheckpointRef, with_hot_root
 from ckptflow.tasks.config import CkptflowConfig, load_config
+from ckptflow.tasks.heartbeat import heartbeat_alive, read_heartbeat
+from ckptflow.tasks.stages import finished, stage_for_tier
 from ckptflow.tasks.storage import Tier
 from ckptflow.trainer import commit, events, layout
 
+
+@dataclass(frozen=True, slots=True)
+class FlowRun:
+    """A lifecycle flow run the server holds for a step, as reconcile sees it."""
+
+    id: str
+    state: str
+    """PENDING, SCHEDULED or RUNNING (a subflow run counts as RUNNING whatever its state)."""
+    age_s: float
+
+
+class Action(enum.Enum):
+    LEAVE_QUEUED = "queued: its worker will run it"
+    LEAVE_RUNNING = "running, and its process is alive"
+    TAKE_OVER = "shown running or queued too long, but no process runs it"
+    RUN = "never finished and nothing runs it"
+
+
+def decide(runs: list[FlowRun], beat_alive: bool, queued_grace_s: float) -> Action:
+    """What reconcile does with an unfinished step, given its lifecycle runs on the server.
+
+    A deployment's run queued for less than ``queued_grace_s`` is its worker's to run. A run
+    shown running with a live heartbeat is left alone. Any other run is a dead one (a killed
+    worker, or queued past any worker's delay): take over. No run at all: run it.
+    """
+    if any(r.state != "RUNNING" and r.age_s < queued_grace_s for r in runs):
+        return Action.LEAVE_QUEUED
+    if runs and beat_alive:
+        return Action.LEAVE_RUNNING
+    return Action.TAKE_OVER if runs else Action.RUN
+
+
 def unfinished_steps(run_path: str) -> list[int]:
-    """Committed (on storage or in the outbox) and no terminal lifecycle record."""
+    """Committed on hot (by storage or the outbox) and no terminal lifecycle record."""
     on_disk = set(commit.committed_steps(run_path))
     outboxed = {int(x["step"]) for x in events.read_outbox(run_path) if "step" in x}
-    out = []
-    for s in sorted(on_disk | outboxed):
-        st = records.status(run_path, s)
-        if "pruned" in st or records.QUARANTINED in st:
-            continue
-        if s not in on_disk:
-            continue  # in the outbox but gone from hot: nothing left to process here
-        out.append(s)
-    return out
+    # in the outbox but gone from hot: nothing left to process here
+    return [s for s in sorted(on_disk | outboxed) if s in on_disk and not finished(run_path, s)]
 
 
-def in_flight_lifecycles(run_id: str) -> dict[int, list[tuple[str, str, float]]]:
-    """Steps of ``run_id`` with lifecycle flow runs pending, scheduled or running.
-
-    Step -> [(flow run id, state type, seconds since it was created)], all of them: a
-    step killed twice leaves two RUNNING runs behind, and each must be dealt with. Runs
-    of no deployment (subflows of reconcile or of a script) count as RUNNING whatever
-    their state: only a deployment's run can be queued for a worker.
-    """
+def in_flight_lifecycles(run_id: str) -> dict[int, list[FlowRun]]:
+    """Steps of ``run_id`` with lifecycle flow runs pending, scheduled or running — all of
+    them: a step killed twice leaves two RUNNING runs behind, and each must be dealt with.
+    Runs of no deployment (subflows of reconcile or of a script) count as RUNNING whatever
+    their state: only a deployment's run can be queued for a worker."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (
         FlowRunFilter,
@@ -60,22 +88,22 @@ def in_flight_lifecycles(run_id: str) -> dict[int, list[tuple[str, str, float]]]
     )
     from prefect.client.schemas.objects import StateType
 
-    prefix = f"lifecycle-{run_id}-step"
+    prefix = run_name_prefix(run_id)
     with get_client(sync_client=True) as c:
         runs = c.read_flow_runs(flow_run_filter=FlowRunFilter(
             name=FlowRunFilterName(like_=prefix),
             state=FlowRunFilterState(type=FlowRunFilterStateType(
                 any_=[StateType.PENDING, StateType.SCHEDULED, StateType.RUNNING]))), limit=200)
-    steps: dict[int, list[tuple[str, str, float]]] = {}
+    steps: dict[int, list[FlowRun]] = {}
     now = time.time()
     for r in runs:
         tail = r.name[len(prefix):] if r.name.startswith(prefix) else ""
         if tail.isdigit():
             age = now - r.created.timestamp() if r.created else float("inf")
-            # Only a deployment's run waits for a worker; a subflow run that is not RUNNING
-            # belongs to a process that died between creating it and starting it.
-            state = r.state_type.value if r.deployment_id else "RUNNING"
-            steps.setdefault(int(tail), []).append((str(r.id), state, age))
+            # A subflow run that is not RUNNING belongs to a process that died between
+            # creating it and starting it.
+            state = r.state_type.value if r.deployment_id and r.state_type else "RUNNING"
+            steps.setdefault(int(tail), []).append(FlowRun(str(r.id), state, age))
     return steps
 
 
@@ -88,9 +116,11 @@ def mark_crashed(flow_run_id: str, why: str) -> None:
         with get_client(sync_client=True) as c:
             # Read back: a transition the server did not take would leave the run showing
             # RUNNING forever, which misleads people and the next reconcile alike.
+            res = None
             for attempt in range(3):
                 res = c.set_flow_run_state(flow_run_id, Crashed(message=why), force=True)
-                if c.read_flow_run(flow_run_id).state_type.value == "CRASHED":
+                state = c.read_flow_run(flow_run_id).state_type
+                if state is not None and state.value == "CRASHED":
                     return
                 time.sleep(0.5 * (attempt + 1))
         get_run_logger().warning("flow run %s did not take the crashed state (%s)", flow_run_id,
@@ -100,23 +130,24 @@ def mark_crashed(flow_run_id: str, why: str) -> None:
 
 
 def age_moves(cfg: CkptflowConfig, run_id: str, now: float) -> list[dict[str, Any]]:
-    """Copy checkpoints older than their tier's ``move_after_hours`` onto the next tier."""
-    from ckptflow.tasks.transfer import archive, promote
-
+    """Bring checkpoints older than their tier's ``move_after_hours`` onto the next tier, with
+    the stage that does so (lease, record): a move is done once, like the lifecycle's."""
     moved = []
     tiers = cfg.tiers()
     for cur, nxt in zip(tiers, tiers[1:]):
         if cur.move_after_hours is None:
             continue
+        stage = stage_for_tier(nxt.name)
         src, dst = Tier(cur), Tier(nxt)
         for s in src.committed_steps(run_id):
             if dst.is_committed(run_id, s) or src.is_quarantined(run_id, s):
                 continue
-            age_h = (now - src.read_manifest(run_id, s).created_at) / 3600
-            if age_h < cur.move_after_hours:
+            if (now - src.read_manifest(run_id, s).created_at) / 3600 < cur.move_after_hours:
                 continue
-            res = archive(src, dst, run_id, s) if nxt.is_s3 else promote(src, dst, run_id, s)
-            moved.append({"step": s, "from": cur.name, "to": nxt.name, "bytes": res.bytes_stored})
+            rec = run_stage_task(stage, CheckpointRef(cfg, run_id, s))
+            if rec is not None and not rec.skipped:
+                moved.append({"step": s, "from": cur.name, "to": nxt.name, "stage": stage.name,
+                              "bytes": rec.body.get("bytes_stored"), "ok": rec.ok})
     return moved
 
 
@@ -131,51 +162,41 @@ def reconcile(root: str | None = None, config: str | None = None, tmp_older_than
     log = get_run_logger()
     base = load_config(config)
     cfg = with_hot_root(base, os.path.abspath(root)) if root else base
-    hot = Tier(cfg.hot)
     out: dict[str, Any] = {"runs": {}}
     now = time.time()
-    for run_id in hot.list_runs():
+    for run_id in Tier(cfg.hot).list_runs():
         run_path = layout.run_dir(cfg.hot.url, run_id)
         todo = unfinished_steps(run_path)
         busy = in_flight_lifecycles(run_id) if todo else {}
         done = []
         for s in todo:
             runs = busy.get(s, [])
-            if any(state != "RUNNING" and age < queued_grace_s for _, state, age in runs):
-                # queued (event-triggered, waiting for a worker slot): the worker will run it
-                log.info("%s step %d: lifecycle queued, left alone", run_id, s)
+            action = decide(runs, heartbeat_alive(read_heartbeat(run_path, s)), queued_grace_s)
+            log.info("%s step %d: lifecycle %s", run_id, s, action.value)
+            if action in (Action.LEAVE_QUEUED, Action.LEAVE_RUNNING):
                 continue
-            if runs:
-                if records.heartbeat_alive(records.read_heartbeat(run_path, s)):
-                    log.info("%s step %d: lifecycle already running, left alone", run_id, s)
-                    continue
-                # Running on the server but its process is gone (no live heartbeat: a killed
-                # worker), or queued for longer than any worker would take: say so on the
-                # server and take the work over.
-                for fr_id, state, _ in runs:
-                    log.warning("%s step %d: lifecycle run %s shows as %s but no process is running it; "
-                                "marking it crashed and running the lifecycle again", run_id, s, fr_id,
-                                state.lower())
-                    mark_crashed(fr_id, "reconcile: no live heartbeat from a process running this lifecycle")
-            log.info("%s step %d: committed but its lifecycle never finished; running it now", run_id, s)
+            for r in runs:  # TAKE_OVER: say so on the server, then do the work here
+                mark_crashed(r.id, "reconcile: no live heartbeat from a process running this lifecycle")
             if run_lifecycles:
-                # One failing lifecycle (a store down past its retries, a step pruned under it)
-                # must not hold back the steps and runs after it: its own run failed and
-                # alerted; reconcile records it and goes on, and the next pass retries it.
-                state = lifecycle(run_id=run_id, step=s, uri=layout.join(run_path, layout.step_name(s)),
-                                  root=cfg.hot.url, config=config, return_state=True)
-                if state.is_completed():
-                    done.append({"step": s, "status": state.result().get("status")})
-                else:
-                    log.error("%s step %d: lifecycle ended %s; the next reconcile retries it",
-                              run_id, s, state.name)
-                    done.append({"step": s, "status": "failed", "state": state.name})
+                done.append(_run_lifecycle(cfg, config, run_id, s))
         moved = age_moves(cfg, run_id, now)
-        cleaned = []
-        for t in cfg.tiers():
-            cleaned += Tier(t).clean_stale(run_id, older_than_s=tmp_older_than_s)
+        cleaned = [p for t in cfg.tiers() for p in Tier(t).clean_stale(run_id, older_than_s=tmp_older_than_s)]
         out["runs"][run_id] = {"unfinished": todo, "in_flight": sorted(busy), "processed": done,
                                "moved": moved, "cleaned": cleaned}
         log.info("%s: %d unfinished, %d processed, %d moved, %d stale dirs removed", run_id, len(todo),
                  len(done), len(moved), len(cleaned))
     return out
+
+
+def _run_lifecycle(cfg: CkptflowConfig, config: str | None, run_id: str, step: int) -> dict[str, Any]:
+    # One failing lifecycle (a store down past its retries, a step pruned under it) must not
+    # hold back the steps and runs after it: its own run failed and alerted; reconcile
+    # records it and goes on, and the next pass retries it.
+    run_path = layout.run_dir(cfg.hot.url, run_id)
+    state = lifecycle(run_id=run_id, step=step, uri=layout.join(run_path, layout.step_name(step)),
+                      root=cfg.hot.url, config=config, return_state=True)
+    if state.is_completed():
+        return {"step": step, "status": state.result().get("status")}
+    get_run_logger().error("%s step %d: lifecycle ended %s; the next reconcile retries it", run_id, step,
+                           state.name)
+    return {"step": step, "status": "failed", "state": state.name}

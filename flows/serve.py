@@ -1,26 +1,51 @@
-"""Serve ckptflow's deployments from one process (the single-machine default).
+"""ckptflow's deployments, declared once, and ``ckptflow serve``: all of them from one process.
 
     PREFECT_API_URL=http://127.0.0.1:4200/api python -m ckptflow.flows.serve [--config ckptflow.toml]
 
-The same deployments as ``deployments/prefect.yaml`` (lifecycle on the commit event,
-reconcile on an interval, the restore drill on a cron), run by ``serve()`` instead of a
-work pool. ``serve()`` runs unboundedly many flow runs at once unless given ``limit``;
-it is bounded by ``prefect.flow_concurrency`` so a burst of commits cannot start a
-burst of sanity steps on the training machine. The runner polls every 2 s (default
-10 s) so a commit starts its lifecycle within a few seconds.
+:data:`DEPLOYMENTS` is the one declaration: ``serve()`` builds from it, and
+``deployments/prefect.yaml`` (the same deployments for a work pool) is checked against it
+by ``tests/test_serve.py``. ``serve()`` runs unboundedly many flow runs at once unless
+given ``limit``; it is bounded by ``prefect.flow_concurrency`` so a burst of commits cannot
+start a burst of sanity steps on the training machine. The runner polls every 2 s
+(default 10 s) so a commit starts its lifecycle within a few seconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
+from dataclasses import dataclass, field
+from typing import Any
 
 # Before prefect is imported: the runner reads these at import time.
 os.environ.setdefault("PREFECT_RUNNER_POLL_FREQUENCY", "2")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
-COMMITTED = "ckptflow.checkpoint.committed"
+from ckptflow.trainer.events import COMMITTED  # noqa: E402 - after the runner's settings
+
+
+@dataclass(frozen=True)
+class Deployment:
+    name: str
+    entrypoint: str
+    """``module:flow`` (a module path: the flow loads under its one import name)."""
+    description: str
+    concurrency_limit: int | None = None
+    """Flow runs at once under a work pool (``serve`` bounds all of them with ``limit``)."""
+    trigger: dict[str, Any] | None = None
+    """An event trigger: ``expect``, ``match`` and templated ``parameters``."""
+    interval_s: int | None = None
+    cron_from_config: bool = False
+    """Scheduled by ``[drill] schedule_cron`` / ``timezone`` of the config."""
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+    def flow(self) -> Any:
+        mod, _, name = self.entrypoint.partition(":")
+        return getattr(importlib.import_module(mod), name)
+
+
 LIFECYCLE_PARAMETERS = {
     "run_id": "{{ event.payload.run_id }}",
     "step": "{{ event.payload.step }}",
@@ -28,38 +53,41 @@ LIFECYCLE_PARAMETERS = {
     "root": "{{ event.payload.root }}",
 }
 
+DEPLOYMENTS = (
+    Deployment("lifecycle", "ckptflow.flows.lifecycle:lifecycle",
+               "verify -> compress -> promote -> archive -> prune, per committed checkpoint",
+               concurrency_limit=2,  # a burst of commits must not start a burst of sanity steps
+               trigger={"expect": [COMMITTED], "match": {"prefect.resource.id": "ckptflow.checkpoint.*"},
+                        "parameters": LIFECYCLE_PARAMETERS}),
+    Deployment("reconcile", "ckptflow.flows.reconcile:reconcile",
+               "missed commits, age-based tier moves, stale .tmp clean-up", concurrency_limit=1, interval_s=300),
+    Deployment("restore-drill", "ckptflow.flows.drill:restore_drill",
+               "restore the newest cold checkpoint into scratch, sanity step at another world size, RTO",
+               concurrency_limit=1, cron_from_config=True),
+)
 
-def deployments(config: str | None, reconcile_every_s: int):
+
+def deployments(config: str | None, reconcile_every_s: int | None = None) -> tuple[list[Any], Any]:
+    """The runner deployments of :data:`DEPLOYMENTS` for ``serve()``, and the loaded config."""
+    from prefect.client.schemas.schedules import CronSchedule
     from prefect.events import DeploymentEventTrigger
 
-    from ckptflow.flows.lifecycle import lifecycle
-    from ckptflow.flows.reconcile import reconcile
     from ckptflow.tasks.config import load_config
 
     cfg = load_config(config)
     params = {"config": config} if config else {}
-    out = [
-        lifecycle.to_deployment(
-            name="lifecycle",
-            triggers=[DeploymentEventTrigger(
-                expect={COMMITTED}, match={"prefect.resource.id": "ckptflow.checkpoint.*"},
-                parameters={**LIFECYCLE_PARAMETERS, **params})],
-            description="verify -> compress -> promote -> archive -> prune, per committed checkpoint",
-        ),
-        reconcile.to_deployment(name="reconcile", interval=reconcile_every_s, parameters=params,
-                                description="missed commits, age-based moves, stale .tmp clean-up"),
-    ]
-    try:
-        from ckptflow.flows.drill import restore_drill
-    except ImportError:  # the drill flow is optional in a minimal install
-        restore_drill = None
-    if restore_drill is not None:
-        from prefect.client.schemas.schedules import CronSchedule
-
-        out.append(restore_drill.to_deployment(
-            name="restore-drill", parameters=params,
-            schedule=CronSchedule(cron=cfg.drill.schedule_cron, timezone=cfg.drill.timezone),
-            description="nightly: restore from cold, sanity step at another world size, RTO"))
+    out = []
+    for d in DEPLOYMENTS:
+        kw: dict[str, Any] = {"name": d.name, "description": d.description, "parameters": dict(params)}
+        if d.trigger is not None:
+            kw["triggers"] = [DeploymentEventTrigger(expect=set(d.trigger["expect"]), match=d.trigger["match"],
+                                                     parameters={**d.trigger["parameters"], **params})]
+            kw.pop("parameters")
+        if d.interval_s is not None:
+            kw["interval"] = reconcile_every_s or d.interval_s
+        if d.cron_from_config:
+            kw["schedule"] = CronSchedule(cron=cfg.drill.schedule_cron, timezone=cfg.drill.timezone)
+        out.append(d.flow().to_deployment(**kw))
     return out, cfg
 
 

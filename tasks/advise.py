@@ -260,12 +260,13 @@ def measure_run(run_dir: str, history_dir: str | None = None) -> RunMeasurement:
     ``<run_dir>/../../drills``). Raises FileNotFoundError when ``run_dir`` is not a directory.
     """
     from ckptflow.trainer import layout
+    from ckptflow.trainer.reference.metrics import read_metrics
 
     run_dir = os.path.abspath(run_dir)
     if not os.path.isdir(run_dir):
         raise FileNotFoundError(2, "no such run directory", run_dir)
     out = RunMeasurement(run_dir=run_dir)
-    rows = _jsonl(os.path.join(run_dir, layout.METRICS))
+    rows = read_metrics(run_dir)
     outbox = _jsonl(os.path.join(run_dir, layout.OUTBOX))
     committed = {s for n in os.listdir(run_dir) if (s := layout.parse_step(n)) is not None}
     saves = committed | {int(o["step"]) for o in outbox if isinstance(o.get("step"), int)}

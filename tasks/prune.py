@@ -19,6 +19,7 @@ from ckptflow.trainer import faults, layout
 from ckptflow.trainer.errors import CkptflowError
 
 from ckptflow.tasks.retention import CheckpointInfo, Policy, plan
+from ckptflow.tasks.stages import ARCHIVE, PROMOTE, VERIFY
 from ckptflow.tasks.storage.leases import leased_steps
 from ckptflow.tasks.storage.tier import Tier
 
@@ -27,7 +28,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-VERIFIED_STAGE = "verified"  # the verify stage's record: <run>/_lifecycle/step_N/verified.json
 
 
 @dataclass(slots=True)
@@ -74,7 +74,7 @@ def checkpoint_infos(tier: Tier, run_id: str, *, needs_metrics: bool = False,
         if given is not None:
             verified = s in given
         else:
-            verified = (tier.has_stage_record(run_id, s, VERIFIED_STAGE)
+            verified = (tier.has_stage_record(run_id, s, VERIFY.record)
                         or tier.exists(tier.url_for(run_id, s, layout.TIER_MANIFEST)))
         metrics: dict[str, float] = {}
         if needs_metrics:
@@ -140,7 +140,7 @@ def unsafe_on_hot(cfg: "CkptflowConfig", run_path: str, steps: Iterable[int]) ->
     """
     from ckptflow.tasks import records
 
-    need = "archived" if cfg.cold is not None else ("promoted" if cfg.warm is not None else None)
+    need = ARCHIVE.record if cfg.cold is not None else (PROMOTE.record if cfg.warm is not None else None)
     if need is None:
         return set()
     return {s for s in steps if records.read_record(run_path, s, need) is None
@@ -161,7 +161,7 @@ def prune_run(cfg: "CkptflowConfig", run_id: str, *, tiers: Iterable[str] | None
 
     run_path = layout.run_dir(cfg.hot.url, run_id)
     verified = [s for s in records.steps_with_records(run_path)
-                if records.read_record(run_path, s, VERIFIED_STAGE) is not None]
+                if records.read_record(run_path, s, VERIFY.record) is not None]
     wanted = set(tiers) if tiers is not None else None
     out: dict[str, PruneReport] = {}
     for tcfg in cfg.tiers():

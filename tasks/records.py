@@ -16,10 +16,11 @@ import uuid
 from typing import Any
 
 from ckptflow.trainer import layout
-from ckptflow.trainer.fsutil import fsync_dir, write_durable
+from ckptflow.trainer.fsutil import fsync_dir, replace_atomic, write_durable
 
-STAGES = ("verified", "compressed", "promoted", "archived", "pruned")
 QUARANTINED = "quarantined"
+"""The record of a checkpoint the verify stage found bad (the other records' names are the
+stages' own: ``ckptflow.tasks.stages``)."""
 
 
 def record_path(run_path: str, step: int, stage: str) -> str:
@@ -58,8 +59,6 @@ def write_record(run_path: str, step: int, stage: str, data: dict[str, Any]) -> 
 
 def write_side_file(run_path: str, step: int, name: str, data: Any) -> str:
     """A companion file next to the records (stats, expectation results); replaced freely."""
-    from ckptflow.trainer.fsutil import replace_atomic
-
     path = os.path.join(layout.lifecycle_dir(run_path, step), name)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     replace_atomic(path, (json.dumps(data, indent=1, default=str) + "\n").encode())
@@ -79,9 +78,9 @@ def quarantine(run_path: str, step: int, reasons: list[str], details: dict[str, 
     return write_record(run_path, step, QUARANTINED, {"reasons": reasons, "details": details or {}})
 
 
-def status(run_path: str, step: int) -> dict[str, dict[str, Any]]:
-    """Every record present for a step (stage -> record)."""
-    return {s: r for s in (*STAGES, QUARANTINED) if (r := read_record(run_path, step, s)) is not None}
+def status(run_path: str, step: int, names: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """The records of ``names`` present for a step (name -> record), in the order given."""
+    return {n: r for n in names if (r := read_record(run_path, step, n)) is not None}
 
 
 def steps_with_records(run_path: str) -> list[int]:
@@ -90,76 +89,3 @@ def steps_with_records(run_path: str) -> list[int]:
     except FileNotFoundError:
         return []
     return sorted(s for n in names if (s := layout.parse_step(n)) is not None)
-
-
-# ---- liveness of a running lifecycle ---------------------------------------------------
-# A lifecycle whose process died (SIGKILL, a lost node) stays RUNNING on the Prefect
-# server: nothing is left to report its end. Reconcile must tell that apart from one
-# that is working, or it would leave the checkpoint alone forever. The running flow
-# keeps a heartbeat file beside the records; a beat from a process that no longer
-# exists on this host, or one older than STALE_AFTER_S, means the run is dead.
-
-HEARTBEAT = "running.json"
-BEAT_EVERY_S = 10.0
-STALE_AFTER_S = 60.0
-
-
-def _proc_start(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]  # starttime: tells a reused pid apart
-    except (OSError, IndexError):
-        return None
-
-
-def read_heartbeat(run_path: str, step: int) -> dict[str, Any] | None:
-    return read_side_file(run_path, step, HEARTBEAT)
-
-
-def heartbeat_alive(beat: dict[str, Any] | None, *, now: float | None = None,
-                    stale_after_s: float = STALE_AFTER_S) -> bool:
-    if not beat:
-        return False
-    import socket
-
-    if beat.get("host") == socket.gethostname():
-        start = _proc_start(int(beat.get("pid", -1)))
-        if start is None or start != beat.get("proc_start"):
-            return False  # the process is gone (or its pid was reused): dead now, no wait
-    return (now or time.time()) - float(beat.get("updated_at", 0)) < stale_after_s
-
-
-class Heartbeat:
-    """Context manager: beat every ``BEAT_EVERY_S`` from a daemon thread, clear on exit."""
-
-    def __init__(self, run_path: str, step: int, owner: dict[str, Any]) -> None:
-        import socket
-        import threading
-
-        self.run_path, self.step = run_path, step
-        self.body = dict(owner, host=socket.gethostname(), pid=os.getpid(), proc_start=_proc_start(os.getpid()))
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"ckptflow-beat-{step}", daemon=True)
-
-    def _beat(self) -> None:
-        try:
-            write_side_file(self.run_path, self.step, HEARTBEAT, dict(self.body, updated_at=time.time()))
-        except OSError:
-            pass  # a missed beat only makes the run look older; never fail the lifecycle for it
-
-    def _run(self) -> None:
-        while not self._stop.wait(BEAT_EVERY_S):
-            self._beat()
-
-    def __enter__(self) -> "Heartbeat":
-        self._beat()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        try:
-            os.unlink(os.path.join(layout.lifecycle_dir(self.run_path, self.step), HEARTBEAT))
-        except OSError:
-            pass

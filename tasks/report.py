@@ -8,20 +8,14 @@ this much and got it back exactly".
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any
 
 from ckptflow.trainer import layout
+from ckptflow.trainer.reference.metrics import read_metrics
 
-
-def read_metrics(run_path: str) -> list[dict[str, Any]]:
-    try:
-        with open(os.path.join(run_path, layout.METRICS)) as f:
-            return [json.loads(x) for x in f if x.strip()]
-    except (FileNotFoundError, json.JSONDecodeError):
-        return []
+__all__ = ["read_metrics"]  # re-exported: the drill flow reads the curve through the report
 
 
 def resume_points(rows: list[dict[str, Any]]) -> list[int]:

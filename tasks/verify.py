@@ -7,9 +7,11 @@
 (c) Great Expectations over per-tensor statistics (finite, Adam v >= 0, bounded norm
     change since the previous verified checkpoint, step forward).
 
-Pass: ``verified.json`` (+ ``stats.json``, ``expectations.json`` beside it). Fail: a
-``quarantined.json`` record with the reasons; the checkpoint is never promoted and
-the trainer's resume skips it. Idempotent: an existing record short-circuits.
+The action of the lifecycle's verify stage (``tasks/stages.py`` writes its record:
+``verified.json`` on a pass, ``quarantined.json`` with the reasons on a fail — then the
+checkpoint is never promoted and the trainer's resume skips it). It writes the
+companions the next checkpoint's expectations compare against (``stats.json``,
+``expectations.json``) beside the records.
 """
 
 from __future__ import annotations
@@ -24,9 +26,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ckptflow.tasks import records
+from ckptflow.tasks.checkpoint import CheckpointRef
 from ckptflow.trainer import faults, layout
 from ckptflow.trainer.errors import CheckpointNotFoundError
 from ckptflow.trainer.verify import verify_checkpoint
+
+SANITY_MODULE = "ckptflow.trainer.sanity"
 
 
 @dataclass(slots=True)
@@ -39,8 +44,6 @@ class VerifyOutcome:
     sanity: dict[str, Any] = field(default_factory=dict)
     expectations: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
-    skipped: bool = False
-    """True when a record already existed (a re-run): nothing was redone."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -50,7 +53,7 @@ def run_sanity(ckpt_dir: str, *, nproc: int = 1, timeout_s: float = 900, stats: 
     """Run ``trainer.sanity`` in a fresh process (or a torchrun job of ``nproc`` ranks)."""
     with tempfile.TemporaryDirectory(prefix="ckptflow-sanity-") as tmp:
         out = os.path.join(tmp, "result.json")
-        mod = ["-m", "ckptflow.trainer.sanity", ckpt_dir, "--out", out, *(["--stats"] if stats else [])]
+        mod = ["-m", SANITY_MODULE, ckpt_dir, "--out", out, *(["--stats"] if stats else [])]
         if nproc > 1:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    f"--nproc-per-node={nproc}", "--max-restarts=0", *mod]
@@ -71,24 +74,21 @@ def run_sanity(ckpt_dir: str, *, nproc: int = 1, timeout_s: float = 900, stats: 
 
 
 def _previous_verified(run_path: str, step: int) -> tuple[int | None, list[dict] | None]:
+    from ckptflow.tasks.stages import VERIFY
+
     for s in sorted(records.steps_with_records(run_path), reverse=True):
-        if s < step and records.read_record(run_path, s, "verified") is not None:
-            return s, records.read_side_file(run_path, s, "stats.json")
+        if s < step and records.read_record(run_path, s, VERIFY.record) is not None:
+            return s, records.read_side_file(run_path, s, layout.STATS)
     return None, None
 
 
-def verify_stage(run_path: str, step: int, *, sanity_step: bool = True, expectations: bool = True,
-                 max_norm_change: float = 0.5) -> VerifyOutcome:
-    run_id = os.path.basename(run_path.rstrip("/"))
-    existing = records.read_record(run_path, step, "verified")
-    quarantined = records.read_record(run_path, step, records.QUARANTINED)
-    if existing is not None or quarantined is not None:
-        rec = existing or quarantined
-        return VerifyOutcome(run_id, step, existing is not None, rec.get("reasons", []),
-                             rec.get("integrity", {}), rec.get("sanity", {}), rec.get("expectations", {}),
-                             0.0, skipped=True)
+def verify(ref: CheckpointRef, *, sanity_step: bool = True, expectations: bool = True,
+           max_norm_change: float = 0.5) -> VerifyOutcome:
+    """Integrity, then the sanity step, then the expectations, of the checkpoint on hot; the
+    first check that fails decides (the rest are not run)."""
+    run_path, step, run_id = ref.run_path, ref.step, ref.run_id
     t0 = time.perf_counter()
-    ckpt = os.path.join(run_path, layout.step_name(step))
+    ckpt = ref.hot_dir
     if not os.path.isdir(ckpt):
         # Not a bad checkpoint but no checkpoint: a stale event, or pruned before its
         # lifecycle ran. Quarantining a name would be misleading; fail loudly instead.
@@ -102,7 +102,7 @@ def verify_stage(run_path: str, step: int, *, sanity_step: bool = True, expectat
                      "problems": [str(p) for p in integ.problems]}
     if not integ.ok:
         out.reasons = [f"integrity: {p}" for p in integ.problems]
-        return _finish(run_path, out, t0)
+        return _finish(out, t0)
 
     stats = None
     if sanity_step:
@@ -115,7 +115,7 @@ def verify_stage(run_path: str, step: int, *, sanity_step: bool = True, expectat
                 f"probe loss {san.get('probe_loss_restored')} != recorded {san.get('probe_loss_recorded')} "
                 f"({san.get('probe_match')}); lr {san.get('lr_restored')} vs {san.get('lr_recorded')}"]
             out.reasons = [f"sanity: {w}" for w in why]
-            return _finish(run_path, out, t0)
+            return _finish(out, t0)
 
     if expectations and stats is not None:
         from ckptflow.tasks.expectations import validate
@@ -123,22 +123,17 @@ def verify_stage(run_path: str, step: int, *, sanity_step: bool = True, expectat
         prev_step, prev_stats = _previous_verified(run_path, step)
         rep = validate(stats, prev_stats, step=step, prev_step=prev_step, max_norm_change=max_norm_change)
         out.expectations = {"success": rep.success, "failures": rep.failures, "previous_step": prev_step,
-                            "result_file": records.write_side_file(run_path, step, "expectations.json", rep.result)}
+                            "result_file": records.write_side_file(run_path, step, layout.EXPECTATIONS,
+                                                                   rep.result)}
         if not rep.success:
             out.reasons = [f"expectations: {f}" for f in rep.failures]
-            return _finish(run_path, out, t0, stats)
+            return _finish(out, t0)
     out.ok = True
-    return _finish(run_path, out, t0, stats)
+    if stats is not None:  # what the next checkpoint's norm-change expectation compares against
+        records.write_side_file(run_path, step, layout.STATS, stats)
+    return _finish(out, t0)
 
 
-def _finish(run_path: str, out: VerifyOutcome, t0: float, stats: list | None = None) -> VerifyOutcome:
+def _finish(out: VerifyOutcome, t0: float) -> VerifyOutcome:
     out.seconds = time.perf_counter() - t0
-    faults.maybe_crash("verify.before_record", out.step)
-    if stats is not None:
-        records.write_side_file(run_path, out.step, "stats.json", stats)
-    body = {k: v for k, v in out.to_dict().items() if k not in ("skipped",)}
-    if out.ok:
-        records.write_record(run_path, out.step, "verified", body)
-    else:
-        records.quarantine(run_path, out.step, out.reasons, body)
     return out

@@ -1,23 +1,54 @@
-"""Small readers shared by tests (not fixtures)."""
+"""Helpers shared by tests (not fixtures): paths, the reference job, configs, the CLI.
+
+Servers, ports and processes come from the shared harness (``ckptflow.harness``); what is
+here is only what tests need on top of it.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import math
+from dataclasses import dataclass
 
+import numpy as np
+
+from ckptflow.harness import PY, child_env, free_port, reference_job, torchrun
 from ckptflow.trainer import layout
+from ckptflow.trainer.reference.metrics import last_per_step, read_metrics
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+__all__ = ["PY", "REPO", "free_port", "last_per_step"]
+
+
+def torchrun_env(extra: dict | None = None) -> dict:
+    """A child's environment: no Prefect API, no fault, one thread (``extra`` on top)."""
+    return child_env(extra)
+
+
+def run_torchrun(args: list[str], *, nproc: int = 2, max_restarts: int = 0, env: dict | None = None,
+                 module: str = "ckptflow.trainer.train", timeout: float = 300) -> subprocess.CompletedProcess:
+    cmd = torchrun(module, args, nproc=nproc, max_restarts=max_restarts)
+    return subprocess.run(cmd, cwd=REPO, env=torchrun_env(env), capture_output=True, text=True, timeout=timeout)
+
+
+def make_run(root: str, run_id: str = "r1", *, max_steps: int = 6, save_every: int = 2,
+             nproc: int = 1, extra_args: list[str] | None = None, env: dict | None = None) -> str:
+    """Train the tiny reference model and commit checkpoints; returns the run dir.
+
+    ``nproc=1`` runs a plain process (no torchrun, ~5 s); more launches torchrun.
+    """
+    cmd = reference_job(str(root), run_id, max_steps=max_steps, save_every=save_every, nproc=nproc,
+                        extra=extra_args)
+    r = subprocess.run(cmd, cwd=REPO, env=torchrun_env(env), capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        raise AssertionError(f"training failed (rc={r.returncode}):\n{r.stderr[-4000:]}")
+    return os.path.join(str(root), run_id)
 
 
 def metrics(run_dir: str) -> list[dict]:
-    with open(os.path.join(run_dir, layout.METRICS)) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def last_per_step(rows: list[dict]) -> dict[int, dict]:
-    out: dict[int, dict] = {}
-    for r in rows:
-        out[r["step"]] = r
-    return out
+    return read_metrics(run_dir)
 
 
 def step_dir(run_dir: str, step: int) -> str:
@@ -41,3 +72,109 @@ def flip_byte(path: str, offset: int | None = None) -> None:
         b = f.read(1)
         f.seek(off)
         f.write(bytes([b[0] ^ 0x01]))
+
+
+# ---- configs -------------------------------------------------------------------------
+
+def write_config(tmp_path, hot, s3_endpoint, bucket, *, hot_keep=2, warm_keep=2, cold_keep=3,
+                 sanity=True) -> str:
+    cfg = tmp_path / "ckptflow.toml"
+    cfg.write_text(f"""
+[hot]
+url = "{hot}"
+[hot.retention]
+keep_last = {hot_keep}
+[warm]
+url = "{tmp_path / 'warm'}"
+codec = "zstd"
+[warm.retention]
+keep_last = {warm_keep}
+[cold]
+url = "s3://{bucket}/ckpt"
+codec = "zstd"
+endpoint_url = "{s3_endpoint}"
+storage_class = "STANDARD_IA"
+[cold.retention]
+keep_last = {cold_keep}
+[lifecycle]
+sanity_step = {str(sanity).lower()}
+""")
+    return str(cfg)
+
+
+# ---- the CLI in this process -----------------------------------------------------------
+
+@dataclass
+class Result:
+    code: int
+    out: str
+    err: str
+
+    def json(self):
+        return json.loads(self.out)
+
+
+def invoke(capsys, *args: str) -> Result:
+    """Run ``ckptflow ARGS`` in this process; returns exit code, stdout, stderr."""
+    from ckptflow.cli.errors import run_cli
+    from ckptflow.cli.main import app
+
+    capsys.readouterr()
+    code = run_cli(app, [str(a) for a in args])
+    cap = capsys.readouterr()
+    return Result(code, cap.out, cap.err)
+
+
+# ---- a run's files as the trainer and the drill write them ------------------------------
+
+def fake_run(root, run_id="m1", *, step_s=0.5, stall_s=2.0, commit_s=3.0, every=10, steps=40,
+             restart_at=25, drills=(100.0, 120.0, 110.0)) -> str:
+    """A run's files as the trainer and the drill write them: saves every ``every`` steps,
+    each adding ``stall_s`` to the next step; a torchrun restart resumes after ``restart_at``'s
+    last checkpoint (steps repeat, ``t`` restarts from zero)."""
+    run = os.path.join(root, "hot", run_id)
+    os.makedirs(run)
+    rows, outbox, wall0 = [], [], 1.8e9
+    resume = (restart_at // every) * every
+    for attempt, (first, last) in enumerate([(1, restart_at), (resume + 1, steps)]):
+        t = 3.0  # start-up before the first step
+        for s in range(first, last + 1):
+            t += step_s + (stall_s if (s - 1) % every == 0 and s > 1 else 0.0)
+            rows.append({"step": s, "loss": 1.0, "lr": 1e-3, "attempt": attempt, "t": round(t, 4),
+                         "wall": wall0 + attempt * 1000 + t})
+            if s % every == 0:
+                outbox.append({"step": s, "committed_at": rows[-1]["wall"] + commit_s})
+    with open(os.path.join(run, layout.METRICS), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+        f.write('{"step": 41, "t": ')  # a torn last line (killed mid-write) is ignored
+    with open(os.path.join(run, layout.OUTBOX), "w") as f:
+        f.writelines(json.dumps(o) + "\n" for o in outbox)
+    for s in range(every, steps + 1, every):
+        os.makedirs(os.path.join(run, layout.step_name(s)))
+    hist = os.path.join(root, "drills")
+    os.makedirs(hist)
+    with open(os.path.join(hist, f"{run_id}.jsonl"), "w") as f:
+        for d in drills:
+            f.write(json.dumps({"run_id": run_id, "ok": True, "recovery_seconds": d}) + "\n")
+        f.write(json.dumps({"run_id": run_id, "ok": False, "recovery_seconds": 5.0}) + "\n")  # failed: ignored
+    return run
+
+
+# ---- the checkpoint-interval model, written independently (brute force) ---------------
+
+def grid(center: float, span: float = 100.0, n: int = 40001) -> np.ndarray:
+    """Log-spaced intervals around ``center``: neighbours differ by < 0.03 %."""
+    return np.exp(np.linspace(math.log(center / span), math.log(center * span), n))
+
+
+def brute_first_order(s: float, r: float, m: float) -> float:
+    t = grid(math.sqrt(2 * s * m))
+    return float(t[np.argmin(s / t + (t / 2 + r) / m)])
+
+
+def brute_exact(s: float, r: float, m: float) -> float:
+    """argmax of Daly's availability T / (M e^{R/M} (e^{(T+S)/M} - 1)), written independently."""
+    t = grid(min(math.sqrt(2 * s * m), m))
+    t = t[(t + s) / m < 600]  # no overflow in exp
+    a = t / (m * np.exp(r / m) * np.expm1((t + s) / m))
+    return float(t[np.argmax(a)])

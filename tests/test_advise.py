@@ -5,36 +5,16 @@ from __future__ import annotations
 
 import json
 import math
-import os
 
-import numpy as np
 import pytest
 
 from ckptflow.tasks import advise as adv
-from ckptflow.trainer import layout
 from ckptflow.trainer.errors import ConfigError
+from tests.helpers import brute_exact, brute_first_order, fake_run
 
 H = 3600.0
 # (S, M): a fast async save on a stable job ... a save that costs a sizeable part of the MTBF
 CASES = [(2.0, 24 * H), (0.002, 10 * H), (10.0, 600.0), (60.0, 4 * H), (300.0, H), (1000.0, 1000.0)]
-
-
-def grid(center: float, span: float = 100.0, n: int = 40001) -> np.ndarray:
-    """Log-spaced intervals around ``center``: neighbours differ by < 0.03 %."""
-    return np.exp(np.linspace(math.log(center / span), math.log(center * span), n))
-
-
-def brute_first_order(s: float, r: float, m: float) -> float:
-    t = grid(math.sqrt(2 * s * m))
-    return float(t[np.argmin(s / t + (t / 2 + r) / m)])
-
-
-def brute_exact(s: float, r: float, m: float) -> float:
-    """argmax of Daly's availability T / (M e^{R/M} (e^{(T+S)/M} - 1)), written independently."""
-    t = grid(min(math.sqrt(2 * s * m), m))
-    t = t[(t + s) / m < 600]  # no overflow in exp
-    a = t / (m * np.exp(r / m) * np.expm1((t + s) / m))
-    return float(t[np.argmax(a)])
 
 
 @pytest.mark.parametrize("s,m", CASES)
@@ -105,39 +85,6 @@ def test_invalid_inputs_name_the_field(kw):
     base = dict(save_s=1.0, restore_s=10.0, step_s=0.5, mtbf_s=H)
     with pytest.raises(ConfigError, match=next(iter(kw))):
         adv.Inputs(**{**base, **kw})
-
-
-def fake_run(root, run_id="m1", *, step_s=0.5, stall_s=2.0, commit_s=3.0, every=10, steps=40,
-             restart_at=25, drills=(100.0, 120.0, 110.0)) -> str:
-    """A run's files as the trainer and the drill write them: saves every ``every`` steps,
-    each adding ``stall_s`` to the next step; a torchrun restart resumes after ``restart_at``'s
-    last checkpoint (steps repeat, ``t`` restarts from zero)."""
-    run = os.path.join(root, "hot", run_id)
-    os.makedirs(run)
-    rows, outbox, wall0 = [], [], 1.8e9
-    resume = (restart_at // every) * every
-    for attempt, (first, last) in enumerate([(1, restart_at), (resume + 1, steps)]):
-        t = 3.0  # start-up before the first step
-        for s in range(first, last + 1):
-            t += step_s + (stall_s if (s - 1) % every == 0 and s > 1 else 0.0)
-            rows.append({"step": s, "loss": 1.0, "lr": 1e-3, "attempt": attempt, "t": round(t, 4),
-                         "wall": wall0 + attempt * 1000 + t})
-            if s % every == 0:
-                outbox.append({"step": s, "committed_at": rows[-1]["wall"] + commit_s})
-    with open(os.path.join(run, layout.METRICS), "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
-        f.write('{"step": 41, "t": ')  # a torn last line (killed mid-write) is ignored
-    with open(os.path.join(run, layout.OUTBOX), "w") as f:
-        f.writelines(json.dumps(o) + "\n" for o in outbox)
-    for s in range(every, steps + 1, every):
-        os.makedirs(os.path.join(run, layout.step_name(s)))
-    hist = os.path.join(root, "drills")
-    os.makedirs(hist)
-    with open(os.path.join(hist, f"{run_id}.jsonl"), "w") as f:
-        for d in drills:
-            f.write(json.dumps({"run_id": run_id, "ok": True, "recovery_seconds": d}) + "\n")
-        f.write(json.dumps({"run_id": run_id, "ok": False, "recovery_seconds": 5.0}) + "\n")  # failed: ignored
-    return run
 
 
 def test_measure_run_reads_step_time_stall_commit_and_drills(tmp_path):

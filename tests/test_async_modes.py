@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from tests.conftest import run_torchrun
+from tests.helpers import run_torchrun
 from tests.helpers import flip_byte, step_dir
 from ckptflow.trainer.manifest import read_manifest
 from ckptflow.trainer.verify import verify_checkpoint

@@ -27,7 +27,7 @@ from ckptflow.chaos.model import TrialResult, summarize
 from ckptflow.chaos.s3proxy import FaultProxy
 from ckptflow.tasks.config import TierConfig
 from ckptflow.tasks.storage import Tier
-from tests.conftest import PY, REPO, torchrun_env
+from tests.helpers import PY, REPO, torchrun_env
 from ckptflow.trainer import layout
 from ckptflow.trainer.errors import CheckpointNotFoundError, CkptflowError
 
@@ -162,7 +162,7 @@ def test_a_restore_whose_downloads_keep_failing_falls_back_cleanly(hot, s3_endpo
 
 def test_an_unreachable_store_is_a_clean_storage_error(hot, s3_bucket):
     from ckptflow.tasks.transfer import archive
-    from tests.conftest import free_port
+    from tests.helpers import free_port
 
     cold = Tier(TierConfig(name="cold", url=f"s3://{s3_bucket}/c", endpoint_url=f"http://127.0.0.1:{free_port()}"))
     with pytest.raises(CkptflowError):

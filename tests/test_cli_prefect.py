@@ -11,11 +11,11 @@ import boto3
 import pytest
 
 from tests.helpers import flip_byte, step_dir
-from tests.test_cli_storage import _wide, invoke  # noqa: F401 - _wide: autouse fixture
-from tests.test_lifecycle import write_config
+from tests.helpers import invoke
+from tests.helpers import write_config
 from ckptflow.trainer import layout
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("wide_tables")]
 
 
 @pytest.fixture(autouse=True)

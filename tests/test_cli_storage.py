@@ -4,49 +4,21 @@ moto's S3 server over HTTP. Commands run in-process through the console script's
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 import subprocess
 import time
-from dataclasses import dataclass
 
 import boto3
 import pytest
 
-from tests.conftest import PY, REPO
+from tests.helpers import PY, REPO
 from tests.helpers import flip_byte
-from tests.test_advise import fake_run
+from tests.helpers import fake_run, invoke
 from ckptflow.trainer import layout
 
-pytestmark = pytest.mark.slow
-
-
-@dataclass
-class Result:
-    code: int
-    out: str
-    err: str
-
-    def json(self):
-        return json.loads(self.out)
-
-
-def invoke(capsys, *args: str) -> Result:
-    """Run ``ckptflow ARGS`` in this process; returns exit code, stdout, stderr."""
-    from ckptflow.cli.errors import run_cli
-    from ckptflow.cli.main import app
-
-    capsys.readouterr()
-    code = run_cli(app, [str(a) for a in args])
-    cap = capsys.readouterr()
-    return Result(code, cap.out, cap.err)
-
-
-@pytest.fixture(autouse=True)
-def _wide(monkeypatch):
-    monkeypatch.setenv("COLUMNS", "250")  # tables on one line each, whatever the terminal
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("wide_tables")]
 
 
 def write_cfg(tmp_path, *, cold: str | None = None, endpoint: str | None = None, hot_keep: int = 1,
@@ -114,7 +86,7 @@ def test_restore_falls_back_past_a_corrupted_newest_and_verify_accepts_the_resul
     assert "__0_0.distcp" in doc["skipped"][0]["reason"] and "__0_0.distcp.zst" in doc["skipped"][2]["reason"]
     assert doc["bytes_raw"] == hot.read_manifest("tiny", 4).total_bytes and doc["seconds"] > 0
     v = invoke(capsys, "verify", dst)
-    assert v.code == 0 and f"step 4" in v.out
+    assert v.code == 0 and "step 4" in v.out
 
     # the same from cold only, in text form: what was skipped and why, bytes, seconds, MB/s
     r = invoke(capsys, "restore", "tiny", "--tier", "cold", "--to", tmp_path / "from-cold", "--config", cfg)
@@ -297,7 +269,7 @@ def test_ls_of_an_unknown_run_or_path_is_one_line_and_exit_3(capsys, two_tiers, 
 # ---- advise ------------------------------------------------------------------------------
 
 def test_advise_from_flags_matches_the_brute_force_optimum(capsys):
-    from tests.test_advise import brute_exact, brute_first_order
+    from tests.helpers import brute_exact, brute_first_order
 
     r = invoke(capsys, "advise", "--save-seconds", "30", "--restore-seconds", "600", "--step-seconds", "2",
                "--mtbf-hours", "6", "--current-steps", "100", "--json")
@@ -367,7 +339,7 @@ def test_help_is_fast_and_errors_from_the_shell_are_one_line(tmp_path):
 def test_an_unreachable_tier_is_named_and_the_others_still_serve(capsys, two_tiers, tmp_path, monkeypatch):
     """A dead S3 endpoint (nothing listens): ls shows hot and warm and exits 4 with a warning
     naming the tier; restore still restores from hot and lists the tier it could not read."""
-    from tests.conftest import free_port
+    from tests.helpers import free_port
 
     cfg, hot, warm = two_tiers
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from tests.conftest import run_torchrun
+from tests.helpers import run_torchrun
 from tests.helpers import last_per_step, metrics, read_latest, step_dir, tmp_dirs
 from ckptflow.trainer import layout
 from ckptflow.trainer.verify import verify_checkpoint

@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from tests.conftest import PY, REPO, run_torchrun, torchrun_env
+from tests.helpers import PY, REPO, run_torchrun, torchrun_env
 from tests.helpers import flip_byte, metrics, step_dir
 from ckptflow.trainer import layout
 from ckptflow.trainer.resume import find_resume_point

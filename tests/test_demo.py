@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from tests.conftest import PY, REPO
+from tests.helpers import PY, REPO
 
 pytestmark = pytest.mark.slow
 

@@ -13,8 +13,8 @@ import time
 import boto3
 import pytest
 
-from tests.conftest import PY, REPO
-from tests.test_lifecycle import write_config
+from tests.helpers import PY, REPO
+from tests.helpers import write_config
 from ckptflow.trainer import events, layout
 
 pytestmark = pytest.mark.slow

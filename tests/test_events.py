@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.conftest import PY, REPO, free_port, torchrun_env
+from tests.helpers import PY, REPO, free_port, torchrun_env
 from ckptflow.trainer import events
 
 ARGS = ["--model", "tiny", "--max-steps", "8", "--save-every", "2", "--parallel", "none"]

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from tests.conftest import PY, REPO, run_torchrun, torchrun_env
+from tests.helpers import PY, REPO, run_torchrun, torchrun_env
 from tests.helpers import last_per_step, metrics, read_latest, step_dir, tmp_dirs
 from ckptflow.trainer import layout
 

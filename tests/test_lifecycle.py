@@ -8,44 +8,17 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 
 import boto3
 import pytest
 
-from tests.conftest import PY, REPO, free_port, make_run, run_torchrun, torchrun_env
-from tests.helpers import flip_byte, step_dir
+from tests.helpers import PY, REPO, free_port, make_run, run_torchrun, torchrun_env
+from tests.helpers import flip_byte, step_dir, write_config
 from ckptflow.trainer import layout
 from ckptflow.trainer.resume import find_resume_point
 
 pytestmark = pytest.mark.slow
-
-
-def write_config(tmp_path, hot, s3_endpoint, bucket, *, hot_keep=2, warm_keep=2, cold_keep=3,
-                 sanity=True) -> str:
-    cfg = tmp_path / "ckptflow.toml"
-    cfg.write_text(f"""
-[hot]
-url = "{hot}"
-[hot.retention]
-keep_last = {hot_keep}
-[warm]
-url = "{tmp_path / 'warm'}"
-codec = "zstd"
-[warm.retention]
-keep_last = {warm_keep}
-[cold]
-url = "s3://{bucket}/ckpt"
-codec = "zstd"
-endpoint_url = "{s3_endpoint}"
-storage_class = "STANDARD_IA"
-[cold.retention]
-keep_last = {cold_keep}
-[lifecycle]
-sanity_step = {str(sanity).lower()}
-""")
-    return str(cfg)
 
 
 def cold_steps(s3_endpoint, bucket, run_id) -> set[int]:

@@ -8,10 +8,10 @@ import shutil
 
 import pytest
 
-from tests.conftest import PY, REPO
+from tests.helpers import PY, REPO
 from ckptflow.trainer import layout
 from ckptflow.trainer.errors import ConfigError, ManifestError, UnsafePathError
-from ckptflow.trainer.manifest import KEY_ENV, FileEntry, Manifest, read_manifest
+from ckptflow.trainer.manifest import KEY_ENV, FileEntry, Manifest
 
 
 def _m() -> Manifest:

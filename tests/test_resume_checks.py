@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import textwrap
 
-from tests.conftest import PY, REPO, make_run, torchrun_env
+from tests.helpers import PY, REPO, make_run, torchrun_env
 
 
 def _train(root, *extra):

@@ -23,7 +23,7 @@ import pytest
 
 from ckptflow.tasks.config import TierConfig
 from ckptflow.tasks.storage import Tier
-from tests.conftest import PY, REPO, free_port, make_run, torchrun_env
+from tests.helpers import PY, REPO, free_port, make_run, torchrun_env
 from tests.helpers import step_dir
 from ckptflow.trainer import layout
 from ckptflow.trainer.checksum import hash_file
@@ -82,7 +82,9 @@ def _every_reader(run: str, tmp_path, cold: Tier | None) -> dict[str, object]:
     from ckptflow.tasks.codec.tool import compress_dir
     from ckptflow.tasks.drill import drill_one
     from ckptflow.tasks.transfer import archive, fetch, promote, restore
-    from ckptflow.tasks.verify import verify_stage
+    from ckptflow.tasks.checkpoint import CheckpointRef
+    from ckptflow.tasks.config import CkptflowConfig
+    from ckptflow.tasks.stages import VERIFY, run_stage
     from ckptflow.trainer.resume import find_resume_point
 
     root, run_id = os.path.dirname(run), os.path.basename(run)
@@ -109,7 +111,8 @@ def _every_reader(run: str, tmp_path, cold: Tier | None) -> dict[str, object]:
     attempt("drill", lambda: drill_one(hot, run_id, 6, scratch_root=str(tmp_path / "drill")))
     attempt("codec_tool", lambda: compress_dir(step_dir(run, 6), str(tmp_path / "compressed")))
     # last but one: a failed verify stage quarantines step 6, which restore then skips for that reason
-    attempt("lifecycle_verify", lambda: verify_stage(run, 6, sanity_step=True, expectations=True))
+    ref = CheckpointRef(CkptflowConfig(hot=TierConfig(name="hot", url=root)), run_id, 6)
+    attempt("lifecycle_verify", lambda: run_stage(VERIFY, ref))
     attempt("training_resume", lambda: subprocess.run(
         [PY, "-m", "ckptflow.trainer.train", "--parallel", "none", "--ckpt-root", root, "--run-id", run_id, "--model", "tiny",
          "--max-steps", "8", "--save-every", "2"], cwd=REPO, env=torchrun_env(), capture_output=True, text=True,
@@ -128,7 +131,8 @@ def _assert_step6_refused(out: dict[str, object], run: str, why: str, *, fallbac
     assert out["verify_cli"].returncode == 1 and why in out["verify_cli"].stderr
     assert out["sanity"].returncode == 1 and why in out["sanity"].stdout
     lv = out["lifecycle_verify"]
-    assert not lv.ok and lv.reasons[0].startswith("integrity") and why in lv.reasons[0] and not lv.sanity
+    assert not lv.ok and lv.record == "quarantined" and lv.reasons[0].startswith("integrity")
+    assert why in lv.reasons[0] and not lv.body["sanity"]
     for name in ("promote", "archive", "fetch"):
         if name in out:
             assert isinstance(out[name], IntegrityError), (name, out[name])
@@ -275,15 +279,19 @@ def test_tier_reads_refuse_a_symlink_out_of_a_checkpoint(tiny_run, tmp_path):
 
 
 def test_a_hot_checkpoint_copied_under_another_run_or_step_is_refused_by_the_verify_stage(tiny_run, tmp_path):
-    from ckptflow.tasks.verify import verify_stage
+    from ckptflow.tasks.checkpoint import CheckpointRef
+    from ckptflow.tasks.config import CkptflowConfig
+    from ckptflow.tasks.verify import verify
 
     run = _copy(tiny_run, tmp_path)
     other = tmp_path / "hot" / "other"
     shutil.copytree(run, other)
-    out = verify_stage(str(other), 6, sanity_step=False, expectations=False)
+    cfg = CkptflowConfig(hot=TierConfig(name="hot", url=str(tmp_path / "hot")))
+    out = verify(CheckpointRef(cfg, "other", 6), sanity_step=False, expectations=False)
     assert not out.ok and "manifest is for tiny step 6, not other step 6" in out.reasons[0]
     os.rename(step_dir(run, 6), step_dir(run, 8))
-    assert "not tiny step 8" in verify_stage(run, 8, sanity_step=False, expectations=False).reasons[0]
+    assert "not tiny step 8" in verify(CheckpointRef(cfg, "tiny", 8), sanity_step=False,
+                                       expectations=False).reasons[0]
 
 
 def test_a_cold_checkpoint_copied_under_another_run_is_refused(tiny_run, tmp_path, s3_endpoint, s3_bucket):

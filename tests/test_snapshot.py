@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 
-from tests.conftest import PY, REPO, run_torchrun, torchrun_env
+from tests.helpers import PY, REPO, run_torchrun, torchrun_env
 from tests.helpers import metrics, step_dir
 from ckptflow.trainer import layout
 

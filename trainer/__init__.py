@@ -43,5 +43,7 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = sorted(_LAZY | {"CheckpointNotFoundError", "CkptflowError", "ConfigError", "IntegrityError",
-                          "ManifestError", "MismatchError", "SaveError"})
+__all__ = [
+    "CheckpointConfig", "CheckpointManager", "CheckpointNotFoundError", "CkptflowError", "ConfigError",
+    "IntegrityError", "ManifestError", "MismatchError", "Provenance", "SaveError", "SanitySpec",
+]

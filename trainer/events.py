@@ -29,7 +29,18 @@ from ckptflow.trainer.fsutil import append_durable
 
 log = logging.getLogger(__name__)
 
+# Every event ckptflow sends, named once (the trainer sends the first; the flows the rest).
+# Resource ids are ``ckptflow.checkpoint.<run>.<step>`` for all of them, so one
+# checkpoint's whole story can be filtered by resource, and automations alert on any.
 COMMITTED = "ckptflow.checkpoint.committed"
+VERIFIED = "ckptflow.checkpoint.verified"
+FAILED = "ckptflow.checkpoint.failed"
+"""Verification failed: the checkpoint is quarantined."""
+PROMOTED = "ckptflow.checkpoint.promoted"
+ARCHIVED = "ckptflow.checkpoint.archived"
+PRUNED = "ckptflow.checkpoint.pruned"
+DRILL_COMPLETED = "ckptflow.drill.completed"
+DRILL_FAILED = "ckptflow.drill.failed"
 _NS = uuid.UUID("6b1f3f1e-3c55-4a39-9a8e-c0ffee0f10e0")  # fixed: ids must be stable across versions
 
 

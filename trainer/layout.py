@@ -40,6 +40,12 @@ LEASES_DIR = "_leases"
 METRICS = "metrics.jsonl"
 DCP_METADATA = ".metadata"
 QUARANTINE_RECORD = "quarantined.json"
+HEARTBEAT = "running.json"
+STATS = "stats.json"
+"""Beside the records: per-tensor statistics of a verified checkpoint (the expectations)."""
+EXPECTATIONS = "expectations.json"
+"""Beside the records: the expectation suite's result for a step."""
+"""Beside the stage records: a lifecycle that is running says so (``tasks/heartbeat.py``)."""
 
 _STEP_RE = re.compile(rf"^{STEP_PREFIX}(\d{{{STEP_DIGITS}}})$")
 _TMP_RE = re.compile(rf"^{STEP_PREFIX}(\d{{{STEP_DIGITS}}}){re.escape(TMP_SUFFIX)}$")

@@ -10,15 +10,14 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ckptflow.trainer import layout
+from ckptflow.harness import PY, child_env, kill_group, reference_job
+from ckptflow.trainer.reference.metrics import last_per_step, read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PY = sys.executable
 SIGKILLED = -signal.SIGKILL
 
 
@@ -47,14 +46,8 @@ class Ran:
 
 
 def base_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment for trial processes: this repo importable, one thread, no stray faults."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    for k in ("CKPTFLOW_FAULT", "PREFECT_API_URL", "PREFECT_API_KEY", "CKPTFLOW_CONFIG"):
-        env.pop(k, None)
-    env.update(extra or {})
-    return env
+    """Environment for trial processes: one thread, no stray faults, API or config."""
+    return child_env(extra)
 
 
 def run(cmd: list[str], *, env: dict[str, str], log_path: str, timeout: float, cwd: str = REPO,
@@ -74,7 +67,7 @@ def run(cmd: list[str], *, env: dict[str, str], log_path: str, timeout: float, c
             rc: int | None = proc.wait(timeout)
         except subprocess.TimeoutExpired:
             rc = None
-            _kill_group(proc)
+            kill_group(proc)
     seconds = time.monotonic() - t0
     with open(log_path, "rb") as f:
         f.seek(start_at)
@@ -82,23 +75,12 @@ def run(cmd: list[str], *, env: dict[str, str], log_path: str, timeout: float, c
     return Ran(rc, seconds, out, log_path)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(30)
 
 
 def train_cmd(root: str, run_id: str, *, nproc: int, max_steps: int, save_every: int,
               extra: list[str] | None = None) -> list[str]:
     """The reference job (tiny model): a plain process at world size 1, torchrun above."""
-    args = ["--ckpt-root", root, "--run-id", run_id, "--max-steps", str(max_steps),
-            "--save-every", str(save_every), "--model", "tiny", *(extra or [])]
-    if nproc == 1:
-        return [PY, "-m", "ckptflow.trainer.train", "--parallel", "none", *args]
-    return [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "--max-restarts=0", "--monitor-interval=0.5", "-m", "ckptflow.trainer.train", *args]
+    return reference_job(root, run_id, nproc=nproc, max_steps=max_steps, save_every=save_every, extra=extra)
 
 
 def worker_cmd(*args: str) -> list[str]:
@@ -106,16 +88,5 @@ def worker_cmd(*args: str) -> list[str]:
 
 
 def metrics(run_path: str) -> dict[int, tuple[float, float]]:
-    """Last (loss, lr) per step of the reference job's metrics.jsonl (re-run steps overwrite)."""
-    out: dict[int, tuple[float, float]] = {}
-    try:
-        with open(os.path.join(run_path, layout.METRICS)) as f:
-            for line in f:
-                try:
-                    d = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a line torn by the kill
-                out[int(d["step"])] = (d["loss"], d["lr"])
-    except FileNotFoundError:
-        pass
-    return out
+    """Last (loss, lr) per step of the reference job's metrics (re-run steps overwrite)."""
+    return {s: (r["loss"], r["lr"]) for s, r in last_per_step(read_metrics(run_path)).items()}

@@ -3,12 +3,12 @@
     python -m ckptflow.chaos.worker stages --config C --run-id R --step N [--stages verify,...]
     python -m ckptflow.chaos.worker reconcile --config C
 
-``stages`` runs the lifecycle's stage bodies in order — the very functions the Prefect
-tasks wrap (``verify_task``, ``_compress``, ``_promote``, ``_archive``, ``_prune``: record
-check, storage action with its fault hook, write-once record) — called through ``.fn``
-without an API server, so a trial costs seconds and the kill lands inside ckptflow's
-code, not inside Prefect's. Prefect's own orchestration is what the ``prefect`` kind
-exercises; ``reconcile`` runs the real flow against the campaign's server.
+``stages`` runs the lifecycle's stage table in order (``ckptflow.tasks.stages``: record
+check, storage action with its fault hook, write-once record) through ``run_stage``, the
+very path the flow's Prefect tasks take, without an API server — so a trial costs seconds
+and the kill lands inside ckptflow's code, not inside Prefect's. Prefect's own
+orchestration is what the ``prefect`` kind exercises; ``reconcile`` runs the real flow
+against the campaign's server.
 
 Exit status: 0 done, 3 the checkpoint was quarantined, 4 a stage raised (the message is
 printed); a fault kills the process with SIGKILL before it can say anything.
@@ -21,41 +21,32 @@ import json
 import sys
 from typing import Any
 
-STAGES = ("verify", "compress", "promote", "archive", "prune")
 
-
-def run_stages(config: str, run_id: str, step: int, stages: tuple[str, ...] = STAGES,
+def run_stages(config: str, run_id: str, step: int, stages: tuple[str, ...] | None = None,
                sanity: bool | None = None) -> dict[str, Any]:
     """The lifecycle of one step without the flow around it; returns each stage's result."""
     import dataclasses
 
-    from prefect.logging import disable_run_logger
-
-    from ckptflow.flows.lifecycle import verify_task
-    from ckptflow.flows.stages import _archive, _compress, _promote, _prune
+    from ckptflow.tasks.checkpoint import CheckpointRef
     from ckptflow.tasks.config import load_config
-    from ckptflow.trainer import layout
+    from ckptflow.tasks.stages import STAGES, run_stage
 
     cfg = load_config(config)
     if sanity is not None:
         cfg = dataclasses.replace(cfg, lifecycle=dataclasses.replace(cfg.lifecycle, sanity_step=sanity,
                                                                      expectations=sanity))
-    run_path = layout.run_dir(cfg.hot.url, run_id)
+    ref = CheckpointRef(cfg, run_id, step)
     out: dict[str, Any] = {}
-    with disable_run_logger():  # get_run_logger() outside a run: a null logger
-        if "verify" in stages:
-            out["verify"] = verify_task.fn(run_path, run_id, step, cfg)
-            if not out["verify"]["ok"]:
-                out["status"] = "quarantined"
-                return out
-        if cfg.warm is not None and "compress" in stages:
-            out["compress"] = _compress.fn(cfg, run_path, run_id, step)
-        if cfg.warm is not None and "promote" in stages:
-            out["promote"] = _promote.fn(cfg, run_path, run_id, step)
-        if cfg.cold is not None and "archive" in stages:
-            out["archive"] = _archive.fn(cfg, run_path, run_id, step)
-        if "prune" in stages:
-            out["prune"] = _prune.fn(cfg, run_path, run_id, step, False)
+    for stage in STAGES:
+        if stages is not None and stage.name not in stages:
+            continue
+        rec = run_stage(stage, ref)
+        if rec is None:
+            continue
+        out[stage.name] = rec.as_dict()
+        if not rec.ok:
+            out["status"] = "quarantined"
+            return out
     out["status"] = "done"
     return out
 
@@ -67,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--config", required=True)
     s.add_argument("--run-id", required=True)
     s.add_argument("--step", type=int, required=True)
-    s.add_argument("--stages", default=",".join(STAGES))
+    s.add_argument("--stages", default=None, help="comma-separated stage names (default: all)")
     r = sub.add_parser("reconcile")
     r.add_argument("--config", required=True)
     a = p.parse_args(argv)
@@ -75,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if a.cmd == "stages":
-            res = run_stages(a.config, a.run_id, a.step, tuple(a.stages.split(",")))
+            res = run_stages(a.config, a.run_id, a.step, tuple(a.stages.split(",")) if a.stages else None)
         else:
             from ckptflow.flows.reconcile import reconcile
 

@@ -101,6 +101,7 @@ def collect(cfg: Any, run_filter: str | None = None) -> tuple[list[Row], dict[st
     """Rows for every committed checkpoint (of ``run_filter``) on every tier, and the tiers
     that could not be listed (name -> reason)."""
     from ckptflow.tasks import records
+    from ckptflow.tasks.stages import RECORDS, VERIFY, stage_records
     from ckptflow.tasks.storage import open_tiers
     from ckptflow.trainer import layout
     from ckptflow.trainer.errors import CkptflowError
@@ -141,9 +142,9 @@ def collect(cfg: Any, run_filter: str | None = None) -> tuple[list[Row], dict[st
     hot_root = cfg.hot.url
     for (run, s), row in found.items():
         run_path = layout.run_dir(hot_root, run)
-        st = records.status(run_path, s) if os.path.isdir(run_path) else {}
-        row.stages = [x for x in records.STAGES if x in st]
-        if "verified" in st:
+        st = stage_records(run_path, s) if os.path.isdir(run_path) else {}
+        row.stages = [x for x in RECORDS if x in st]
+        if VERIFY.record in st:
             row.verified = True
         q = st.get(records.QUARANTINED)
         if q is not None:
@@ -165,6 +166,9 @@ def _table(cfg: Any, rows: list[Row], layout: Any) -> None:
     from rich.text import Text
 
     from ckptflow.cli.common import console, human_bytes
+    from ckptflow.tasks.stages import STAGES
+
+    marks = {s.record: s.letter for s in STAGES}
 
     con = console()
     if not rows:
@@ -184,14 +188,11 @@ def _table(cfg: Any, rows: list[Row], layout: Any) -> None:
         style = "red" if r.quarantined or r.problems else ("green" if r.verified else "yellow")
         tbl.add_row(r.run_id, str(r.step), ",".join(r.tiers) or "-", human_bytes(r.raw_bytes),
                     *[human_bytes(r.stored_bytes.get(n)) for n in names],
-                    "".join(STAGE_MARK.get(x, "?") for x in r.stages) or "-", Text(status_text(r), style=style),
+                    "".join(marks.get(x, "?") for x in r.stages) or "-", Text(status_text(r), style=style),
                     ",".join(r.pinned) or "-", ",".join(r.latest) or "-")
     con.print(tbl)
-    con.print("stages: V verified, C compressed, P promoted, A archived, R retention applied (from the hot "
-              "run's _lifecycle records; --json gives the names)")
-
-
-STAGE_MARK = {"verified": "V", "compressed": "C", "promoted": "P", "archived": "A", "pruned": "R"}
+    con.print("stages: " + ", ".join(f"{s.letter} {s.record}" for s in STAGES) + " (from the hot run's "
+              "_lifecycle records; --json gives the names)")
 
 
 def register(app: typer.Typer) -> None:

@@ -17,11 +17,12 @@ import os
 import shutil
 import sys
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ckptflow.demo import services
-from ckptflow.demo.procs import Supervisor
+from ckptflow.harness import Supervisor, wait_deployments
 from ckptflow.demo.training import run_training
 from ckptflow.trainer import layout
 
@@ -53,21 +54,6 @@ class DemoOutcome:
     problems: list[str] = field(default_factory=list)
 
 
-def _wait_deployments(names: list[str], timeout: float) -> None:
-    from prefect.client.orchestration import get_client
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with get_client(sync_client=True) as c:
-                for n in names:
-                    c.read_deployment_by_name(n)
-            return
-        except Exception:
-            time.sleep(1)
-    raise TimeoutError(f"deployments {names} were not registered within {timeout:.0f} s (see serve.log)")
-
-
 def _lifecycle_states() -> dict[str, str]:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
@@ -95,7 +81,7 @@ def _wait_lifecycles(steps: list[int], timeout: float, say: Callable[[str], None
 
 
 def _checkpoint_rows(cfg_path: str, run_path: str, steps: list[int]) -> list[dict]:
-    from ckptflow.tasks import records
+    from ckptflow.tasks.stages import RECORDS, stage_records
     from ckptflow.tasks.config import load_config
     from ckptflow.tasks.storage import Tier
 
@@ -111,12 +97,12 @@ def _checkpoint_rows(cfg_path: str, run_path: str, steps: list[int]) -> list[dic
                 row["raw"] = row["raw"] or t.read_manifest(RUN_ID, s).total_bytes
                 if idx is not None:
                     row["stored"][name] = idx.total_stored_bytes
-        st = records.status(run_path, s)
+        st = stage_records(run_path, s)
         v = st.get("verified")
         row["verified"] = bool(v)
         row["probe"] = (v or {}).get("sanity", {}).get("probe_match")
         row["quarantined"] = (st.get("quarantined") or {}).get("reasons")
-        row["stages"] = [k for k in ("verified", "compressed", "promoted", "archived", "pruned") if k in st]
+        row["stages"] = [k for k in RECORDS if k in st]
         rows.append(row)
     return rows
 
@@ -142,15 +128,11 @@ def run_demo(s: DemoSettings, say: Callable[[str], None] = print) -> DemoOutcome
     logs = os.path.join(wd, "logs")
     os.makedirs(logs)
     out = DemoOutcome(workdir=wd, config=os.path.join(wd, "ckptflow.toml"))
-    with Supervisor() as sup:
+    with ExitStack() as stack:
         say("starting a Prefect server (SQLite) and an S3-compatible server on 127.0.0.1 ...")
-        s3_url, s3p = services.start_s3(sup, logs)
-        api, pp = services.start_prefect(sup, os.path.join(wd, "prefect"), logs)
-        services.wait_http(s3_url, 60, "the S3 server", s3p)
-        os.environ.update(services.DEMO_AWS)
-        services.make_bucket(s3_url, BUCKET)
+        api, s3_url = services.start_services(stack, wd, logs, BUCKET)
         services.demo_config(out.config, workdir=wd, s3_endpoint=s3_url, bucket=BUCKET)
-        services.wait_http(api + "/health", 120, "the Prefect server", pp)
+        sup = stack.enter_context(Supervisor())
         # From here on this process is a Prefect client of the demo server.
         os.environ.update(PREFECT_API_URL=api, PREFECT_HOME=os.path.join(wd, "prefect"),
                           PREFECT_SERVER_ANALYTICS_ENABLED="false", CKPTFLOW_CONFIG=out.config,
@@ -159,7 +141,7 @@ def run_demo(s: DemoSettings, say: Callable[[str], None] = print) -> DemoOutcome
         say(f"  Prefect API {api}; S3 {s3_url} (bucket {BUCKET}); config {out.config}")
         sup.start("serve", [sys.executable, "-m", "ckptflow.flows.serve", "--config", out.config, "--reconcile-every", "3600"],
                   env=env, log=open(os.path.join(logs, "serve.log"), "w"))
-        _wait_deployments(["ckptflow-lifecycle/lifecycle"], 90)
+        wait_deployments(["ckptflow-lifecycle/lifecycle"], 90)
         say("serving deployments: lifecycle (on ckptflow.checkpoint.committed), reconcile, restore-drill")
         say(f"training: torchrun 2 ranks (gloo, FSDP2), model {s.model}, {s.steps} steps, checkpoint every "
             f"{s.save_every}" + (f", SIGKILL of one worker after step {s.kill_at}" if s.kill_at else ""))

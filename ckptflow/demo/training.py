@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import sys
 import time
 from dataclasses import dataclass, field
 
-from ckptflow.demo.procs import Supervisor, children_of, cmdline
-from ckptflow.trainer import layout
+from ckptflow.harness import Supervisor, children_of, cmdline, torchrun
+from ckptflow.trainer.reference.metrics import read_metrics
 
 
 @dataclass
@@ -27,14 +25,6 @@ class TrainOutcome:
     losses: list = field(default_factory=list)
 
 
-def _metrics(run_dir: str) -> list[dict]:
-    try:
-        with open(os.path.join(run_dir, layout.METRICS)) as f:
-            return [json.loads(x) for x in f if x.strip()]
-    except (OSError, json.JSONDecodeError):
-        return []
-
-
 def _worker_pids(agent_pid: int) -> list[int]:
     return [p for p in children_of(agent_pid) if "ckptflow.trainer.train" in cmdline(p)]
 
@@ -45,15 +35,15 @@ def run_training(sup: Supervisor, *, root: str, run_id: str, steps: int, save_ev
     """Run the reference job under torchrun (--max-restarts=1); SIGKILL one worker at ``kill_at``."""
     run_dir = os.path.join(root, run_id)
     log_path = os.path.join(log_dir, f"train-{run_id}.log")
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "--max-restarts=1", "--monitor-interval=0.5", "-m", "ckptflow.trainer.train", "--ckpt-root", root,
-            "--run-id", run_id, "--max-steps", str(steps), "--save-every", str(save_every), "--model", model]
+    args = torchrun("ckptflow.trainer.train", ["--ckpt-root", root, "--run-id", run_id, "--max-steps", str(steps),
+                                              "--save-every", str(save_every), "--model", model],
+                    nproc=nproc, max_restarts=1)
     out = TrainOutcome(run_dir, -1, log_path=log_path)
     t0 = time.monotonic()
     with open(log_path, "w") as log:
         p = sup.start("torchrun", args, env=env, log=log)
         while p.poll() is None:
-            rows = _metrics(run_dir)
+            rows = read_metrics(run_dir)
             if kill_at is not None and out.killed_pid is None and rows and rows[-1]["step"] >= kill_at:
                 workers = _worker_pids(p.pid)
                 if workers:
@@ -63,7 +53,7 @@ def run_training(sup: Supervisor, *, root: str, run_id: str, steps: int, save_ev
             time.sleep(0.2)
     out.returncode = p.returncode
     out.seconds = time.monotonic() - t0
-    rows = _metrics(run_dir)
+    rows = read_metrics(run_dir)
     out.steps = max((r["step"] for r in rows), default=0)
     out.attempts = len({r.get("attempt", 0) for r in rows})
     first_retry = [r["step"] for r in rows if r.get("attempt", 0) > 0]

@@ -18,13 +18,13 @@ import os
 import sys
 import time
 
-import torch
 import torch.distributed as dist
 
-from ckptflow.trainer import faults, layout
+from ckptflow.trainer import faults
 from ckptflow.trainer.checkpointer import CheckpointConfig, CheckpointManager, Provenance, SanitySpec
 from ckptflow.trainer.reference.data import GlobalSampler
 from ckptflow.trainer.distenv import init_distributed, shutdown
+from ckptflow.trainer.reference.metrics import metrics_path
 from ckptflow.trainer.reference.model import ModelConfig, lm_loss
 from ckptflow.trainer.reference.build import BUILDER, TrainConfig, build
 from ckptflow.trainer.state import reseed_rng
@@ -88,10 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         env=env,
     )
     start = ckpt.load()
-    metrics_path = os.path.join(ckpt.run_path, layout.METRICS)
     if env.rank == 0:
         os.makedirs(ckpt.run_path, exist_ok=True)
-    mf = open(metrics_path, "a", buffering=1) if env.rank == 0 else None
+    mf = open(metrics_path(ckpt.run_path), "a", buffering=1) if env.rank == 0 else None
     t0 = time.perf_counter()
     for step in range(start + 1, args.max_steps + 1):
         tokens = sampler.next_batch()

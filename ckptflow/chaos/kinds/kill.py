@@ -24,7 +24,7 @@ import os
 import random
 import shutil
 
-from ckptflow.tasks import records
+from ckptflow.tasks import records, stages
 from ckptflow.trainer import commit, events, layout
 from ckptflow.trainer.verify import verify_checkpoint
 
@@ -174,7 +174,7 @@ def _stage(camp: Campaign, tp: TrialPlan) -> TrialResult:
         if views[name].good != want:
             res.violations.append(f"after the re-run {name} holds {views[name].good}, a run without the "
                                   f"fault leaves {want}")
-    missing = [s for s in records.STAGES if records.read_record(sc.run_path, 6, s) is None]
+    missing = [s for s in stages.RECORDS if records.read_record(sc.run_path, 6, s) is None]
     if missing:
         res.violations.append(f"records missing after the re-run: {missing}")
     res.notes += [f"leftover {x}" for x in checks.leftovers(sc, camp.s3)]
@@ -185,12 +185,12 @@ def _stage(camp: Campaign, tp: TrialPlan) -> TrialResult:
 def _records_ahead_of_work(run_path: str, views: dict[str, checks.TierView]) -> list[str]:
     """A stage's record is written only after its work is durable: check that it is."""
     out = []
-    rec = records.status(run_path, 6)
-    if "promoted" in rec and 6 not in views["warm"].good:
+    rec = stages.stage_records(run_path, 6)
+    if stages.PROMOTE.record in rec and 6 not in views["warm"].good:
         out.append("promoted.json exists but warm holds no verified step 6")
-    if "archived" in rec and 6 not in views["cold"].good:
+    if stages.ARCHIVE.record in rec and 6 not in views["cold"].good:
         out.append("archived.json exists but cold holds no verified step 6")
-    if "verified" in rec and not verify_checkpoint(os.path.join(run_path, layout.step_name(6))).ok:
+    if stages.VERIFY.record in rec and not verify_checkpoint(os.path.join(run_path, layout.step_name(6))).ok:
         out.append("verified.json exists for a step 6 that does not verify")
     return out
 

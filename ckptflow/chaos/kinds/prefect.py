@@ -33,7 +33,7 @@ import random
 import threading
 import time
 
-from ckptflow.tasks import records
+from ckptflow.tasks import records, stages
 from ckptflow.trainer import commit, events, layout
 
 from ckptflow.chaos import checks, procs
@@ -158,8 +158,8 @@ def _training_checks(res: TrialResult, r: procs.Ran, base: dict) -> None:
 
 def _state_checks(res: TrialResult, sc, committed: set[int], counter: FaultProxy) -> None:
     for s in sorted(committed):
-        st = records.status(sc.run_path, s)
-        if "archived" not in st and records.QUARANTINED not in st:
+        st = stages.stage_records(sc.run_path, s)
+        if stages.ARCHIVE.record not in st and records.QUARANTINED not in st:
             res.violations.append(f"lost commit: step {s} was committed but reconcile never finished its "
                                   "lifecycle (no archived.json)")
     views = checks.tier_views(sc)
@@ -180,7 +180,7 @@ def _kill_mid_lifecycle(proc, run_path: str, res: TrialResult) -> None:
     """SIGKILL the flow process once a lifecycle is under way (its verify record exists)."""
     import signal
 
-    rec = os.path.join(layout.lifecycle_dir(run_path, 2 * EVERY), "verified.json")
+    rec = records.record_path(run_path, 2 * EVERY, stages.VERIFY.record)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and proc.poll() is None and not os.path.exists(rec):
         time.sleep(0.02)

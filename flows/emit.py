@@ -1,28 +1,20 @@
-"""Events the flows emit, so automations can alert on any of them.
+"""Emitting ckptflow's events from flows, and naming their artifacts.
 
-Resource ids follow the trainer's commit event (``ckptflow.checkpoint.<run>.<step>``)
-so one checkpoint's whole story can be filtered by resource. Event ids are
-deterministic (uuid5 of event, run and step): a lifecycle that runs twice emits the
-same ids, and the server stores each once.
+Event names live in ``ckptflow.trainer.events`` (the trainer sends the commit event; the
+flows send the rest). Event ids are deterministic (uuid5 of event, run and step): a
+lifecycle that runs twice emits the same ids, and the server stores each once.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import uuid
 from typing import Any
 
 from ckptflow.trainer.events import event_id, resource_id
 
 log = logging.getLogger(__name__)
-
-VERIFIED = "ckptflow.checkpoint.verified"
-FAILED = "ckptflow.checkpoint.failed"
-PROMOTED = "ckptflow.checkpoint.promoted"
-ARCHIVED = "ckptflow.checkpoint.archived"
-PRUNED = "ckptflow.checkpoint.pruned"
-DRILL_COMPLETED = "ckptflow.drill.completed"
-DRILL_FAILED = "ckptflow.drill.failed"
 
 
 def emit(event: str, run_id: str, step: int, payload: dict[str, Any], *, key: str | None = None) -> None:
@@ -40,3 +32,9 @@ def emit(event: str, run_id: str, step: int, payload: dict[str, Any], *, key: st
                    payload=payload, id=uuid.UUID(event_id(run_id, step, f"{event}#{key}" if key else event)))
     except Exception as e:  # an event is a notification, not part of the work
         log.warning("could not emit %s for %s step %s: %s", event, run_id, step, e)
+
+
+def artifact_key(*parts: object) -> str:
+    """A stable artifact key (Prefect allows lowercase letters, digits and dashes), so the
+    artifacts of one checkpoint or run keep a history: ``lifecycle-<run>-<step>``."""
+    return re.sub(r"[^a-z0-9-]", "-", "-".join(str(p) for p in parts).lower())

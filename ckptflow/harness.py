@@ -1,0 +1,326 @@
+"""Real local servers and processes, for the tests, the demo, the chaos campaign and the benchmarks.
+
+One place for what all of them need, so each starts, waits for and stops things the same
+(proven) way:
+
+* ports and readiness: :func:`free_port`, :func:`wait_port`, :func:`wait_http`;
+* processes: every child in its own session (``setsid``), stopped by process group and PID —
+  a worker started with ``&`` from a non-interactive shell ignored SIGTERM here, and
+  torchrun's workers must go with their agent (:class:`Supervisor`, :func:`stop_group`);
+* servers: :class:`MotoServer` (an S3-compatible server over HTTP) and
+  :class:`PrefectServer` (``prefect server start`` with its own ``PREFECT_HOME``, SQLite);
+* the reference job: :func:`reference_job` (its command line, plain process or torchrun).
+
+Never imported by the library (trainer, tasks, flows); only standard library at import.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Mapping
+from typing import IO
+
+from ckptflow.trainer.errors import CkptflowError
+
+PY = sys.executable
+LOCAL_AWS = {"AWS_ACCESS_KEY_ID": "ckptflow-local", "AWS_SECRET_ACCESS_KEY": "ckptflow-local-secret",
+             "AWS_DEFAULT_REGION": "us-east-1"}
+"""Credentials for a local moto server (it accepts any); never real ones."""
+_CHILD_DROP = ("CKPTFLOW_FAULT", "PREFECT_API_URL", "PREFECT_API_KEY", "CKPTFLOW_CONFIG")
+
+
+class HarnessError(CkptflowError, RuntimeError):
+    """A harness could not do its job (a server did not start); the message names its log."""
+
+
+# ---- ports and readiness ------------------------------------------------------------------
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(port: int, timeout: float = 30.0, *, proc: subprocess.Popen | None = None,
+              what: str = "server") -> None:
+    """Until something accepts TCP connections on 127.0.0.1:``port``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        _check_alive(proc, what)
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise HarnessError(f"{what}: nothing listens on 127.0.0.1:{port} after {timeout:.0f} s")
+
+
+def wait_http(url: str, timeout: float = 60.0, *, proc: subprocess.Popen | None = None,
+              what: str = "server") -> None:
+    """Until ``url`` answers with a status below 500 (or ``proc`` exits: then at once)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        _check_alive(proc, what)
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:  # noqa: S310 - a local URL of ours
+                if r.status < 500:
+                    return
+        except Exception:  # refused, reset, 5xx while starting: try again
+            time.sleep(0.2)
+    raise HarnessError(f"{what} did not answer at {url} within {timeout:.0f} s")
+
+
+def _check_alive(proc: subprocess.Popen | None, what: str) -> None:
+    if proc is not None and proc.poll() is not None:
+        raise HarnessError(f"{what} exited with code {proc.returncode} while starting")
+
+
+# ---- processes ----------------------------------------------------------------------------
+
+def child_env(extra: Mapping[str, str] | None = None, *, keep: tuple[str, ...] = ()) -> dict[str, str]:
+    """Environment for a child we start: one intra-op thread, and none of our own settings
+    (a fault, a Prefect API, a config file) leaking in unless ``keep`` names them."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    for k in _CHILD_DROP:
+        if k not in keep:
+            env.pop(k, None)
+    env.update(extra or {})
+    return env
+
+
+def stop_group(proc: subprocess.Popen | None, timeout: float = 10.0) -> None:
+    """SIGTERM the child's whole session (its own children too), SIGKILL after ``timeout``."""
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the child's whole session: what a lost node looks like."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(30)
+
+
+def children_of(pid: int) -> list[int]:
+    """Direct children of ``pid`` (Linux /proc)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                out.append(int(d))
+        except (OSError, IndexError, ValueError):
+            continue
+    return sorted(out)
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+class Supervisor:
+    """Starts children in their own sessions and stops every one of them on exit (Ctrl-C too)."""
+
+    def __init__(self) -> None:
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self, name: str, args: list[str], *, env: Mapping[str, str] | None = None,
+              cwd: str | None = None, log: IO | None = None) -> subprocess.Popen:
+        p = subprocess.Popen(args, env=None if env is None else dict(env), cwd=cwd,
+                             stdout=log or subprocess.DEVNULL,
+                             stderr=subprocess.STDOUT if log else subprocess.DEVNULL, start_new_session=True)
+        self.procs.append((name, p))
+        return p
+
+    def stop(self, p: subprocess.Popen, timeout: float = 10.0) -> None:
+        stop_group(p, timeout)
+
+    def stop_all(self) -> None:
+        for _, p in reversed(self.procs):
+            self.stop(p)
+        self.procs.clear()
+
+    def __enter__(self) -> Supervisor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()
+
+
+# ---- servers ------------------------------------------------------------------------------
+
+class MotoServer:
+    """moto's S3-compatible server in its own process on 127.0.0.1, spoken to over HTTP."""
+
+    def __init__(self, log_path: str | None = None, env: Mapping[str, str] | None = None,
+                 start_timeout: float = 60.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        log = open(log_path, "ab") if log_path else None
+        self._proc: subprocess.Popen | None = subprocess.Popen(
+            [PY, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT if log else subprocess.DEVNULL,
+            env=child_env(env), start_new_session=True)
+        if log is not None:
+            log.close()
+        try:
+            wait_http(f"{self.url}/moto-api/", timeout=start_timeout, proc=self._proc, what="moto")
+        except HarnessError:
+            self.stop()
+            raise HarnessError(f"the local S3 server (moto) did not start; see {log_path or 'its output'}") \
+                from None
+
+    def make_bucket(self, bucket: str) -> str:
+        import boto3
+
+        boto3.client("s3", endpoint_url=self.url, aws_access_key_id=LOCAL_AWS["AWS_ACCESS_KEY_ID"],
+                     aws_secret_access_key=LOCAL_AWS["AWS_SECRET_ACCESS_KEY"],
+                     region_name=LOCAL_AWS["AWS_DEFAULT_REGION"]).create_bucket(Bucket=bucket)
+        return bucket
+
+    def stop(self) -> None:
+        stop_group(self._proc)
+        self._proc = None
+
+    def __enter__(self) -> MotoServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class PrefectServer:
+    """A throwaway Prefect API with its own ``PREFECT_HOME`` (SQLite); ``url`` is what
+    ``PREFECT_API_URL`` should be. ``restart()`` kills it and starts it again on the same
+    port and database, like a server redeploy."""
+
+    def __init__(self, home: str, log_path: str, env: Mapping[str, str] | None = None, *,
+                 start_timeout: float = 180.0, start: bool = True) -> None:
+        os.makedirs(home, exist_ok=True)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/api"
+        self.env = dict(child_env(env), PREFECT_HOME=home, PREFECT_SERVER_ANALYTICS_ENABLED="false",
+                        PREFECT_UI_ENABLED="false", PREFECT_API_URL=self.url)
+        self.log_path = log_path
+        self.start_timeout = start_timeout
+        self.restarts = 0
+        self._proc: subprocess.Popen | None = None
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        self.launch()
+        self.wait_ready()
+
+    def launch(self) -> None:
+        """Start the process without waiting (it takes 20-30 s: start other things meanwhile)."""
+        with open(self.log_path, "ab") as log:
+            self._proc = subprocess.Popen(
+                [PY, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
+                stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+
+    def wait_ready(self) -> None:
+        try:
+            wait_http(self.url + "/health", timeout=self.start_timeout, proc=self._proc, what="prefect server")
+        except HarnessError:
+            self.stop()
+            raise HarnessError(f"prefect server did not start on port {self.port}; see {self.log_path}") from None
+
+    def kill(self) -> None:
+        """Down hard (SIGKILL): what a crashed or preempted server pod looks like."""
+        if self._proc is not None and self._proc.poll() is None:
+            kill_group(self._proc)
+
+    def restart(self) -> float:
+        """Kill and start again on the same port and database; returns seconds it was down."""
+        t0 = time.monotonic()
+        self.kill()
+        self.start()
+        self.restarts += 1
+        return time.monotonic() - t0
+
+    def stop(self) -> None:
+        stop_group(self._proc)
+
+    def __enter__(self) -> PrefectServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def wait_deployments(names: list[str], timeout: float) -> None:
+    """Until the Prefect API (``PREFECT_API_URL``) knows every deployment in ``names``
+    (``flow/deployment``): a server just started registers them within seconds."""
+    from prefect.client.orchestration import get_client
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with get_client(sync_client=True) as c:
+                for n in names:
+                    c.read_deployment_by_name(n)
+            return
+        except Exception:  # not there yet, or the API is still starting
+            time.sleep(1)
+    raise HarnessError(f"deployments {names} were not registered within {timeout:.0f} s (see the serve log)")
+
+
+# ---- the reference job --------------------------------------------------------------------
+
+REFERENCE_JOB = "ckptflow.trainer.train"
+
+
+def reference_job(root: str, run_id: str, *, max_steps: int, save_every: int, nproc: int = 1,
+                  model: str = "tiny", max_restarts: int = 0, extra: list[str] | None = None,
+                  module: str = REFERENCE_JOB) -> list[str]:
+    """The reference job's command: a plain process at ``nproc=1`` (no torchrun, ~5 s on the
+    tiny model), a standalone torchrun job of ``nproc`` ranks above."""
+    args = ["--ckpt-root", str(root), "--run-id", run_id, "--max-steps", str(max_steps),
+            "--save-every", str(save_every), "--model", model, *(extra or [])]
+    if nproc == 1 and max_restarts == 0:
+        if "--parallel" not in args:
+            args = ["--parallel", "none", *args]
+        return [PY, "-m", module, *args]
+    return torchrun(module, args, nproc=nproc, max_restarts=max_restarts)
+
+
+def torchrun(module: str, args: list[str], *, nproc: int, max_restarts: int = 0,
+             nnodes: int = 1, node_rank: int = 0, rdzv_port: int | None = None) -> list[str]:
+    """``torchrun`` of ``module``: standalone on one node, or one agent of ``nnodes`` nodes
+    meeting at a c10d rendezvous on 127.0.0.1:``rdzv_port``."""
+    if nnodes == 1:
+        where = ["--standalone"]
+    else:
+        if rdzv_port is None:
+            raise ValueError("a multi-node torchrun needs rdzv_port")
+        where = [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=c10d",
+                 f"--rdzv-endpoint=127.0.0.1:{rdzv_port}", "--rdzv-id=ckptflow"]
+    return [PY, "-m", "torch.distributed.run", *where, f"--nproc-per-node={nproc}",
+            f"--max-restarts={max_restarts}", "--monitor-interval=0.5", "-m", module, *args]

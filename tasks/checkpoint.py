@@ -1,0 +1,88 @@
+"""``CheckpointRef``: one committed checkpoint, as every lifecycle stage sees it.
+
+A stage needs the run, the step and the tiers the checkpoint lives on; everything else
+(the run's folder on hot, where the stage records live, the step's directory, the
+opened tiers) follows from those three and is derived here, once, instead of being
+passed around as four to six loose values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ckptflow.trainer import layout
+
+from ckptflow.tasks.config import CkptflowConfig, load_config
+
+if TYPE_CHECKING:
+    from ckptflow.tasks.storage import Tier
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    """Run ``run_id``, step ``step``, on the tiers of ``cfg`` (whose hot root is the trainer's)."""
+
+    cfg: CkptflowConfig
+    run_id: str
+    step: int
+    _tiers: dict[str, Tier] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        layout.check_run_id(self.run_id)
+        layout.step_name(self.step)  # validates the step
+
+    @classmethod
+    def of(cls, run_id: str, step: int, *, config: str | None = None, root: str | None = None,
+           uri: str = "") -> CheckpointRef:
+        """From a commit event's fields: the config file, and the trainer's hot root (the event's
+        ``root``, else derived from its ``uri``, else the config's hot tier)."""
+        cfg = load_config(config)
+        return cls(with_hot_root(cfg, hot_root_for(cfg, uri, root)), run_id, int(step))
+
+    @property
+    def run_path(self) -> str:
+        """The run on the hot tier: the trainer's folder, where the stage records live."""
+        return layout.run_dir(self.cfg.hot.url, self.run_id)
+
+    @property
+    def hot_dir(self) -> str:
+        """The checkpoint's directory on the hot tier."""
+        return layout.join(self.run_path, layout.step_name(self.step))
+
+    @property
+    def name(self) -> str:
+        return f"{self.run_id} {layout.step_name(self.step)}"
+
+    def has(self, tier: str) -> bool:
+        """Whether the config has tier ``tier`` ("hot", "warm", "cold")."""
+        return getattr(self.cfg, tier) is not None
+
+    def tier(self, name: str) -> Tier:
+        """The opened tier ``name`` (built once per reference: S3 clients are not free)."""
+        if name not in self._tiers:
+            from ckptflow.tasks.storage import Tier
+
+            tcfg = getattr(self.cfg, name)
+            if tcfg is None:
+                raise KeyError(f"tier {name!r} is not configured in {self.cfg.source}")
+            self._tiers[name] = Tier(tcfg)
+        return self._tiers[name]
+
+
+def hot_root_for(cfg: CkptflowConfig, uri: str, root: str | None) -> str:
+    """The trainer's root for a checkpoint: the event's, else derived from the uri."""
+    if root:
+        return os.path.abspath(root)
+    if uri and "://" not in uri:
+        return os.path.dirname(os.path.dirname(os.path.abspath(uri)))
+    return cfg.hot.url
+
+
+def with_hot_root(cfg: CkptflowConfig, root: str) -> CkptflowConfig:
+    """``cfg`` with its hot tier at ``root`` (a trainer may run with another --ckpt-root)."""
+    if os.path.abspath(cfg.hot.url) == os.path.abspath(root):
+        return cfg
+    return dataclasses.replace(cfg, hot=dataclasses.replace(cfg.hot, url=os.path.abspath(root)))
