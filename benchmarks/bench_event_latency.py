@@ -33,24 +33,54 @@ def main(argv: list[str] | None = None) -> int:
     logs = os.path.join(wd, "logs")
     os.makedirs(logs)
     try:
-        with PrefectServer(os.path.join(wd, "prefect"), os.path.join(logs, "prefect.log")) as srv, \
-                Supervisor() as sup:
+        with PrefectServer(os.path.join(wd, "prefect"), os.path.join(logs, "prefect.log")) as srv, Supervisor() as sup:
             api = srv.url
             cfg = os.path.join(wd, "ckptflow.toml")
             with open(cfg, "w") as f:
-                f.write(f'[hot]\nurl = "{wd}/hot"\n[hot.retention]\nkeep_all = true\n'
-                        '[lifecycle]\nsanity_step = false\nexpectations = false\n')
-            os.environ.update(PREFECT_API_URL=api, PREFECT_HOME=os.path.join(wd, "prefect"),
-                              PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_LOGGING_LEVEL="WARNING")
+                f.write(
+                    f'[hot]\nurl = "{wd}/hot"\n[hot.retention]\nkeep_all = true\n'
+                    "[lifecycle]\nsanity_step = false\nexpectations = false\n"
+                )
+            os.environ.update(
+                PREFECT_API_URL=api,
+                PREFECT_HOME=os.path.join(wd, "prefect"),
+                PREFECT_SERVER_ANALYTICS_ENABLED="false",
+                PREFECT_LOGGING_LEVEL="WARNING",
+            )
             env = dict(os.environ)
-            sup.start("serve", [sys.executable, "-m", "ckptflow.flows.serve", "--config", cfg, "--reconcile-every", "3600"],
-                      env=env, log=open(os.path.join(logs, "serve.log"), "w"))
+            sup.start(
+                "serve",
+                [sys.executable, "-m", "ckptflow.flows.serve", "--config", cfg, "--reconcile-every", "3600"],
+                env=env,
+                log=open(os.path.join(logs, "serve.log"), "w"),
+            )
             wait_deployments(["ckptflow-lifecycle/lifecycle"], 90)
             time.sleep(3)
             n = a.checkpoints
-            subprocess.run([sys.executable, "-m", "ckptflow.trainer.train", "--parallel", "none", "--ckpt-root",
-                            f"{wd}/hot", "--run-id", "lat", "--model", "tiny", "--max-steps", str(4 * n),
-                            "--save-every", "4", "--step-sleep", "0.5"], env=env, check=True, capture_output=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "ckptflow.trainer.train",
+                    "--parallel",
+                    "none",
+                    "--ckpt-root",
+                    f"{wd}/hot",
+                    "--run-id",
+                    "lat",
+                    "--model",
+                    "tiny",
+                    "--max-steps",
+                    str(4 * n),
+                    "--save-every",
+                    "4",
+                    "--step-sleep",
+                    "0.5",
+                ],
+                env=env,
+                check=True,
+                capture_output=True,
+            )
             from prefect.client.orchestration import get_client
             from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 
@@ -60,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
             deadline = time.monotonic() + 300
             while time.monotonic() < deadline:
                 with get_client(sync_client=True) as c:
-                    runs = c.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_="lifecycle-lat-step")))
+                    runs = c.read_flow_runs(
+                        flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_="lifecycle-lat-step"))
+                    )
                 started = {int(r.name.rsplit("step", 1)[1]): r for r in runs if r.start_time is not None}
                 if len(started) >= len(outbox):
                     break
@@ -68,10 +100,14 @@ def main(argv: list[str] | None = None) -> int:
             created = [started[s].created.timestamp() - t for s, t in outbox.items() if s in started]
             start = [started[s].start_time.timestamp() - t for s, t in outbox.items() if s in started]
             print(f"commits: {len(outbox)}, lifecycle runs started: {len(started)}")
-            print(f"commit -> flow run created (trigger fired): median {statistics.median(created):.2f} s, "
-                  f"max {max(created):.2f} s")
-            print(f"commit -> flow run started (runner picked it up): median {statistics.median(start):.2f} s, "
-                  f"max {max(start):.2f} s")
+            print(
+                f"commit -> flow run created (trigger fired): median {statistics.median(created):.2f} s, "
+                f"max {max(created):.2f} s"
+            )
+            print(
+                f"commit -> flow run started (runner picked it up): median {statistics.median(start):.2f} s, "
+                f"max {max(start):.2f} s"
+            )
         return 0
     finally:
         shutil.rmtree(wd, ignore_errors=True)

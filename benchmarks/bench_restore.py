@@ -32,8 +32,9 @@ from concurrent.futures import ThreadPoolExecutor
 from ckptflow.harness import LOCAL_AWS, MotoServer
 
 
-def plain_ranged_get(endpoint: str, bucket: str, keys: list[tuple[str, int]], dst: str, *, part: int,
-                     workers: int) -> float:
+def plain_ranged_get(
+    endpoint: str, bucket: str, keys: list[tuple[str, int]], dst: str, *, part: int, workers: int
+) -> float:
     import boto3
     from botocore.config import Config
 
@@ -76,20 +77,43 @@ def main(argv: list[str] | None = None) -> int:
         endpoint = moto.url
         import boto3
 
-        from ckptflow.tasks.config import RetentionPolicy, TierConfig
+        from ckptflow.tasks.config import RetentionConfig, TierConfig
         from ckptflow.tasks.storage import Tier
         from ckptflow.tasks.transfer import archive, fetch
 
         boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="bench")
         hot_root = os.path.join(work, "hot")
-        subprocess.run([sys.executable, "-m", "ckptflow.trainer.train", "--parallel", "none", "--ckpt-root", hot_root,
-                        "--run-id", "b", "--model", a.model, "--max-steps", "4", "--save-every", "4"],
-                       check=True, capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "ckptflow.trainer.train",
+                "--parallel",
+                "none",
+                "--ckpt-root",
+                hot_root,
+                "--run-id",
+                "b",
+                "--model",
+                a.model,
+                "--max-steps",
+                "4",
+                "--save-every",
+                "4",
+            ],
+            check=True,
+            capture_output=True,
+        )
         hot = Tier(TierConfig(name="hot", url=hot_root))
         results = {}
         for codec in ("none", "bytegroup"):
-            cold_cfg = TierConfig(name="cold", url=f"s3://bench/{codec}", codec=codec, endpoint_url=endpoint,
-                                  retention=RetentionPolicy(keep_all=True))
+            cold_cfg = TierConfig(
+                name="cold",
+                url=f"s3://bench/{codec}",
+                codec=codec,
+                endpoint_url=endpoint,
+                retention=RetentionConfig(keep_all=True),
+            )
             cold = Tier(cold_cfg)
             archive(hot, cold, "b", 4)
             idx = cold.read_index("b", 4)
@@ -106,18 +130,28 @@ def main(argv: list[str] | None = None) -> int:
                 base.append(plain_ranged_get(endpoint, "bench", keys, bd, part=part, workers=cold_cfg.max_concurrency))
                 shutil.rmtree(bd)
             stored = idx.total_stored_bytes
-            r = {"codec": codec, "bytes_raw": idx.total_raw_bytes, "bytes_stored": stored,
-                 "fetch_download_MBps": stored / statistics.median(fetch_dl) / 1e6,
-                 "plain_ranged_get_MBps": stored / statistics.median(base) / 1e6,
-                 "decompress_MBps": idx.total_raw_bytes / statistics.median(fetch_dec) / 1e6 if codec != "none" else None}
+            r = {
+                "codec": codec,
+                "bytes_raw": idx.total_raw_bytes,
+                "bytes_stored": stored,
+                "fetch_download_MBps": stored / statistics.median(fetch_dl) / 1e6,
+                "plain_ranged_get_MBps": stored / statistics.median(base) / 1e6,
+                "decompress_MBps": idx.total_raw_bytes / statistics.median(fetch_dec) / 1e6
+                if codec != "none"
+                else None,
+            }
             r["ratio"] = r["fetch_download_MBps"] / r["plain_ranged_get_MBps"]
             results[codec] = r
-        print(f"{'cold codec':<11} {'stored MB':>9} {'fetch MB/s':>11} {'plain GET MB/s':>15} {'ratio':>6} "
-              f"{'decompress MB/s':>16}")
+        print(
+            f"{'cold codec':<11} {'stored MB':>9} {'fetch MB/s':>11} {'plain GET MB/s':>15} {'ratio':>6} "
+            f"{'decompress MB/s':>16}"
+        )
         for r in results.values():
             dec = f"{r['decompress_MBps']:.0f}" if r["decompress_MBps"] else "-"
-            print(f"{r['codec']:<11} {r['bytes_stored'] / 1e6:>9.1f} {r['fetch_download_MBps']:>11.0f} "
-                  f"{r['plain_ranged_get_MBps']:>15.0f} {r['ratio']:>5.2f}x {dec:>16}")
+            print(
+                f"{r['codec']:<11} {r['bytes_stored'] / 1e6:>9.1f} {r['fetch_download_MBps']:>11.0f} "
+                f"{r['plain_ranged_get_MBps']:>15.0f} {r['ratio']:>5.2f}x {dec:>16}"
+            )
         if a.out:
             with open(a.out, "w") as f:
                 json.dump(results, f, indent=1)

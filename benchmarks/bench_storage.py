@@ -37,7 +37,6 @@ import time
 import uuid
 
 from ckptflow.harness import MotoServer
-
 from ckptflow.tasks.config import TierConfig
 from ckptflow.tasks.storage import Tier
 from ckptflow.tasks.transfer import archive, promote
@@ -49,8 +48,23 @@ CODECS = ("none", "zstd", "bytegroup")  # bytegroup: the default of the example 
 
 
 def make_checkpoint(root: str, model: str) -> None:
-    cmd = [sys.executable, "-m", "ckptflow.trainer.train", "--ckpt-root", root, "--run-id", RUN,
-           "--max-steps", str(STEP), "--save-every", str(STEP), "--model", model, "--parallel", "none"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ckptflow.trainer.train",
+        "--ckpt-root",
+        root,
+        "--run-id",
+        RUN,
+        "--max-steps",
+        str(STEP),
+        "--save-every",
+        str(STEP),
+        "--model",
+        model,
+        "--parallel",
+        "none",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
     env.pop("PREFECT_API_URL", None)
     subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True)
@@ -62,6 +76,7 @@ def files_of(hot: Tier) -> list[str]:
 
 
 # ---- promote baselines --------------------------------------------------------------
+
 
 def plain_copy(files: list[str], dst: str, *, fsync: bool) -> None:
     os.makedirs(dst)
@@ -97,11 +112,14 @@ def plain_zstd(files: list[str], dst: str) -> None:
 def dd_copy(files: list[str], dst: str) -> None:
     os.makedirs(dst)
     for f in files:
-        subprocess.run(["dd", f"if={f}", f"of={os.path.join(dst, os.path.basename(f))}", "bs=8M",
-                        "conv=fsync", "status=none"], check=True)
+        subprocess.run(
+            ["dd", f"if={f}", f"of={os.path.join(dst, os.path.basename(f))}", "bs=8M", "conv=fsync", "status=none"],
+            check=True,
+        )
 
 
 # ---- archive baseline ---------------------------------------------------------------
+
 
 def plain_upload(client, transfer_config, files: list[str], bucket: str, prefix: str) -> None:
     errors: list[BaseException] = []
@@ -126,8 +144,7 @@ def zstd_then_upload(client, transfer_config, files: list[str], bucket: str, pre
     spool file (codec defaults), then upload the spools in parallel threads."""
     spool = os.path.join(tmp, prefix)
     plain_zstd(files, spool)
-    plain_upload(client, transfer_config, [os.path.join(spool, n) for n in sorted(os.listdir(spool))],
-                 bucket, prefix)
+    plain_upload(client, transfer_config, [os.path.join(spool, n) for n in sorted(os.listdir(spool))], bucket, prefix)
     shutil.rmtree(spool)
 
 
@@ -145,6 +162,7 @@ def start_moto() -> tuple[MotoServer, str]:
 
 
 # ---- driver -------------------------------------------------------------------------
+
 
 def timed(fn) -> float:
     t0 = time.perf_counter()
@@ -205,18 +223,20 @@ def main(argv: list[str] | None = None) -> int:
         client.create_bucket(Bucket=bucket)
         # warm up both sides alike: connections, moto's first calls, s3fs's session
         plain_upload(client, tconf, files, bucket, "warmup")
-        archive(hot, Tier(TierConfig(name="cold", url=f"s3://{bucket}/warmup", endpoint_url=endpoint)),
-                RUN, STEP)
+        archive(hot, Tier(TierConfig(name="cold", url=f"s3://{bucket}/warmup", endpoint_url=endpoint)), RUN, STEP)
         empty_bucket(client, bucket)
         for i in range(args.repeat):
             add("boto3 upload_file", timed(lambda: plain_upload(client, tconf, files, bucket, f"plain{i}")))
             empty_bucket(client, bucket)
-            add("zstd -3 then upload_file",
-                timed(lambda: zstd_then_upload(client, tconf, files, bucket, f"zplain{i}", work)))
+            add(
+                "zstd -3 then upload_file",
+                timed(lambda: zstd_then_upload(client, tconf, files, bucket, f"zplain{i}", work)),
+            )
             empty_bucket(client, bucket)
             for codec in CODECS:
-                cold = Tier(TierConfig(name="cold", url=f"s3://{bucket}/a{i}{codec}", codec=codec,
-                                       endpoint_url=endpoint))
+                cold = Tier(
+                    TierConfig(name="cold", url=f"s3://{bucket}/a{i}{codec}", codec=codec, endpoint_url=endpoint)
+                )
                 r = archive(hot, cold, RUN, STEP)
                 add(f"archive {codec}", r.seconds)
                 stored[f"archive {codec}"] = r.bytes_stored
@@ -233,8 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     # report ----------------------------------------------------------------------
     med = {k: statistics.median(v) for k, v in times.items()}
     mbs = {k: nbytes / v / 1e6 for k, v in med.items()}
-    print(f"\nmedian of {args.repeat}; MB/s = raw MB (10^6 B) per second; "
-          f"S3 parts {chunk_mb} MiB x {conc} concurrent\n")
+    print(
+        f"\nmedian of {args.repeat}; MB/s = raw MB (10^6 B) per second; S3 parts {chunk_mb} MiB x {conc} concurrent\n"
+    )
     print(f"{'variant':26s} {'seconds':>8s} {'MB/s':>8s} {'stored MB':>10s}")
     for k in times:
         st = f"{stored[k] / 1e6:10.1f}" if k in stored else f"{'':10s}"

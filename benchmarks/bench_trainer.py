@@ -47,17 +47,27 @@ AFTER_SAVE_STEPS = 5
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_trainer", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_trainer",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--model", default="small", help="preset for the in-process measurements (small, medium)")
     p.add_argument("--quick", action="store_true", help="fewer saves and a shorter end-to-end run (~4 min)")
     p.add_argument("--out", help="write all results (raw per-rank numbers and the summary) as JSON here")
-    p.add_argument("--workdir", help="checkpoints and dd files go here; pick the disk a hot tier uses "
-                                     "(default: a new folder under the system temp dir)")
+    p.add_argument(
+        "--workdir",
+        help="checkpoints and dd files go here; pick the disk a hot tier uses "
+        "(default: a new folder under the system temp dir)",
+    )
     p.add_argument("--keep", action="store_true", help="keep the work folder")
-    p.add_argument("--global-batch", type=int, default=2,
-                   help="global batch of every job (2 keeps the run short on 2 cores; a shorter step "
-                        "makes the checkpoint overhead a larger share, so the figures are conservative)")
+    p.add_argument(
+        "--global-batch",
+        type=int,
+        default=2,
+        help="global batch of every job (2 keeps the run short on 2 cores; a shorter step "
+        "makes the checkpoint overhead a larger share, so the figures are conservative)",
+    )
     p.add_argument("--e2e-model", default="small", help="preset of the end-to-end jobs")
     p.add_argument("--e2e-steps", type=int, help="measured steps per end-to-end job (default 300; quick 100)")
     p.add_argument("--e2e-every", type=int, help="save interval of the end-to-end job (default 100; quick 50)")
@@ -78,8 +88,18 @@ def job_env() -> dict[str, str]:
 
 def torchrun(module: str, args: list[str], log_path: str, timeout: float) -> float:
     """Run ``module`` under torchrun (2 ranks); returns wall seconds, raises with the log tail."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}",
-           "--max-restarts=0", "--monitor-interval=0.5", "-m", module, *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={NPROC}",
+        "--max-restarts=0",
+        "--monitor-interval=0.5",
+        "-m",
+        module,
+        *args,
+    ]
     t0 = time.perf_counter()
     with open(log_path, "w", encoding="utf-8") as log:
         r = subprocess.run(cmd, cwd=REPO, env=job_env(), stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
@@ -93,10 +113,27 @@ def torchrun(module: str, args: list[str], log_path: str, timeout: float) -> flo
 def run_worker(a: argparse.Namespace, workdir: str) -> dict[str, Any]:
     out = os.path.join(workdir, "worker.json")
     saves, between, reps = (6, 2, 3) if a.quick else (8, 3, 5)
-    torchrun("benchmarks._trainer_worker",
-             ["--workdir", workdir, "--out", out, "--model", a.model, "--global-batch", str(a.global_batch),
-              "--saves", str(saves), "--steps-between", str(between), "--reps", str(reps)],
-             os.path.join(workdir, "worker.log"), timeout=3600)
+    torchrun(
+        "benchmarks._trainer_worker",
+        [
+            "--workdir",
+            workdir,
+            "--out",
+            out,
+            "--model",
+            a.model,
+            "--global-batch",
+            str(a.global_batch),
+            "--saves",
+            str(saves),
+            "--steps-between",
+            str(between),
+            "--reps",
+            str(reps),
+        ],
+        os.path.join(workdir, "worker.log"),
+        timeout=3600,
+    )
     with open(out, encoding="utf-8") as f:
         return json.load(f)
 
@@ -106,19 +143,30 @@ def run_e2e(a: argparse.Namespace, workdir: str) -> dict[str, Any]:
     every = a.e2e_every or (50 if a.quick else 100)
     w0 = a.e2e_warmup
     max_steps = w0 + steps
-    common = ["--ckpt-root", os.path.join(workdir, "e2e"), "--max-steps", str(max_steps), "--model", a.e2e_model,
-              "--global-batch", str(a.global_batch)]
+    common = [
+        "--ckpt-root",
+        os.path.join(workdir, "e2e"),
+        "--max-steps",
+        str(max_steps),
+        "--model",
+        a.e2e_model,
+        "--global-batch",
+        str(a.global_batch),
+    ]
     runs: dict[str, Any] = {}
-    for name, extra in (("no_save", ["--run-id", "nosave", "--no-save"]),
-                        ("save", ["--run-id", "save", "--save-every", str(every)])):
+    for name, extra in (
+        ("no_save", ["--run-id", "nosave", "--no-save"]),
+        ("save", ["--run-id", "save", "--save-every", str(every)]),
+    ):
         load_before = os.getloadavg()[0]
-        wall = torchrun("ckptflow.trainer.train", common + extra, os.path.join(workdir, f"e2e-{name}.log"), timeout=3600)
+        wall = torchrun(
+            "ckptflow.trainer.train", common + extra, os.path.join(workdir, f"e2e-{name}.log"), timeout=3600
+        )
         rid = extra[1]
         with open(os.path.join(workdir, "e2e", rid, "metrics.jsonl"), encoding="utf-8") as f:
             t = {r["step"]: r["t"] for r in map(json.loads, f)}
         runs[name] = {"t": t, "wall_s": wall, "load_avg": [load_before, os.getloadavg()[0]]}
-    return {"steps": steps, "every": every, "warmup": w0, "max_steps": max_steps, "model": a.e2e_model,
-            "runs": runs}
+    return {"steps": steps, "every": every, "warmup": w0, "max_steps": max_steps, "model": a.e2e_model, "runs": runs}
 
 
 # -- turning per-rank numbers into figures -------------------------------------------------------
@@ -130,8 +178,12 @@ def med(xs: list[float]) -> float:
 def summarize_worker(w: dict[str, Any]) -> dict[str, Any]:
     ranks = w["ranks"]
     r0 = ranks[0]
-    s: dict[str, Any] = {"model": r0["model"], "global_batch": r0["global_batch"], "ranks": len(ranks),
-                         "torch_threads_per_rank": r0["torch_threads"]}
+    s: dict[str, Any] = {
+        "model": r0["model"],
+        "global_batch": r0["global_batch"],
+        "ranks": len(ranks),
+        "torch_threads_per_rank": r0["torch_threads"],
+    }
     rank_bytes = [r["memcpy"]["state_bytes"] for r in ranks]
     s["state_bytes_rank_max"] = max(rank_bytes)
     s["state_bytes_total"] = r0["total_state_bytes"]
@@ -160,7 +212,7 @@ def summarize_worker(w: dict[str, Any]) -> dict[str, Any]:
         # sync: dcp.save (plan + write) runs inside save(), so that is its persist time.
         persist = per_save(lambda x: x["persisted_s"] - (0.0 if mode == "sync" else x["staged_s"]))
         total_bytes = sum(p["rank_file_bytes"] for p in per)
-        excess = [statistics.mean(v) for v in zip(*(contention(r, mode) for r in ranks))]
+        excess = [statistics.mean(v) for v in zip(*(contention(r, mode) for r in ranks), strict=False)]
         m = {
             "saves_in_median": n - 1,
             "blocked_s": med(per_save(lambda x: x["blocked_s"])[1:]),
@@ -185,8 +237,12 @@ def summarize_worker(w: dict[str, Any]) -> dict[str, Any]:
     s["modes"] = modes
 
     ts = [r["torch_save"] for r in ranks]
-    s["torch_save"] = {"gather_s": max(t["gather_s"] for t in ts), "write_s": max(t["write_s"] for t in ts),
-                       "stall_s": max(t["total_s"] for t in ts), "file_bytes": max(t["file_bytes"] for t in ts)}
+    s["torch_save"] = {
+        "gather_s": max(t["gather_s"] for t in ts),
+        "write_s": max(t["write_s"] for t in ts),
+        "stall_s": max(t["total_s"] for t in ts),
+        "file_bytes": max(t["file_bytes"] for t in ts),
+    }
     s["torch_save"]["stall_x_memcpy"] = s["torch_save"]["stall_s"] / s["memcpy_floor_s"]
 
     idle = [r["idle"] for r in ranks]
@@ -223,13 +279,21 @@ def summarize_worker(w: dict[str, Any]) -> dict[str, Any]:
     resume = med([max(x["verify_cold_s"][j] + x["load_warm_s"][j] for x in ld) for j in range(k)])
     s["load"] = {
         "bytes": lbytes,
-        "raw_cold_MBps": rate("raw_cold_s", lbytes), "raw_warm_MBps": rate("raw_warm_s", lbytes),
-        "load_cold_MBps": rate("load_cold_s", lbytes), "load_warm_MBps": rate("load_warm_s", lbytes),
-        "verify_cold_MBps": rate("verify_cold_s", vbytes), "resume_cold_MBps": lbytes / resume / 1e6,
-        "resident_before_cold_reads": sorted({b for x in ld for key in ("resident_before_raw_cold",
-                                                                         "resident_before_load_cold",
-                                                                         "resident_before_verify_cold")
-                                              for b in x[key]}, key=lambda v: -1 if v is None else v),
+        "raw_cold_MBps": rate("raw_cold_s", lbytes),
+        "raw_warm_MBps": rate("raw_warm_s", lbytes),
+        "load_cold_MBps": rate("load_cold_s", lbytes),
+        "load_warm_MBps": rate("load_warm_s", lbytes),
+        "verify_cold_MBps": rate("verify_cold_s", vbytes),
+        "resume_cold_MBps": lbytes / resume / 1e6,
+        "resident_before_cold_reads": sorted(
+            {
+                b
+                for x in ld
+                for key in ("resident_before_raw_cold", "resident_before_load_cold", "resident_before_verify_cold")
+                for b in x[key]
+            },
+            key=lambda v: -1 if v is None else v,
+        ),
     }
     L = s["load"]
     L["load_cold_x_raw_cold"] = L["load_cold_MBps"] / L["raw_cold_MBps"]
@@ -303,8 +367,11 @@ def predicted_overhead(s: dict[str, Any], e: dict[str, Any], mode: str = "async_
     """The e2e overhead the worker's parts add up to: save() call + staging wait + step excess."""
     m = s["modes"][mode]
     per_save = m["save_call_s"] + m["staging_wait_s"] + m["step_excess_s"]
-    return {"per_save_s": per_save, "overhead": per_save / e["interval_s"],
-            "manager_share": (m["save_call_s"] - m["blocked_s"]) / e["interval_s"]}
+    return {
+        "per_save_s": per_save,
+        "overhead": per_save / e["interval_s"],
+        "manager_share": (m["save_call_s"] - m["blocked_s"]) / e["interval_s"],
+    }
 
 
 # -- output -----------------------------------------------------------------------------------
@@ -321,88 +388,166 @@ def mark(ok: bool) -> str:
 def print_report(s: dict[str, Any], e: dict[str, Any] | None, meta: dict[str, Any]) -> None:
     p = print
     p(f"\nckptflow trainer benchmark — {meta['machine']}")
-    p(f"model {s['model']}, {s['ranks']} ranks (gloo, FSDP2), global batch {s['global_batch']}, "
-      f"{s['torch_threads_per_rank']} torch thread(s)/rank, disk {meta['workdir_dev']}")
-    p(f"state: {s['state_bytes_total'] / 1e6:.1f} MB total, {s['state_bytes_rank_max'] / 1e6:.1f} MB on the "
-      f"largest rank; training step {fmt_s(s['step_s_warm'])}")
-    p(f"memcpy floor (into preallocated buffers, ranks at once): {fmt_s(s['memcpy_floor_s'])} "
-      f"({s['memcpy_GBps_per_rank']:.2f} GB/s per rank); fresh-allocation copy {fmt_s(s['fresh_alloc_copy_s'])}")
-    p(f"manager work before the saver, per save: probe forward ({s['probe_samples']} samples) "
-      f"{fmt_s(s['probe_forward_s'])} (on 1 sample: {fmt_s(s['probe_forward_1_sample_s'])}), "
-      f"build_save_state {fmt_s(s['build_save_state_s'])}")
+    p(
+        f"model {s['model']}, {s['ranks']} ranks (gloo, FSDP2), global batch {s['global_batch']}, "
+        f"{s['torch_threads_per_rank']} torch thread(s)/rank, disk {meta['workdir_dev']}"
+    )
+    p(
+        f"state: {s['state_bytes_total'] / 1e6:.1f} MB total, {s['state_bytes_rank_max'] / 1e6:.1f} MB on the "
+        f"largest rank; training step {fmt_s(s['step_s_warm'])}"
+    )
+    p(
+        f"memcpy floor (into preallocated buffers, ranks at once): {fmt_s(s['memcpy_floor_s'])} "
+        f"({s['memcpy_GBps_per_rank']:.2f} GB/s per rank); fresh-allocation copy {fmt_s(s['fresh_alloc_copy_s'])}"
+    )
+    p(
+        f"manager work before the saver, per save: probe forward ({s['probe_samples']} samples) "
+        f"{fmt_s(s['probe_forward_s'])} (on 1 sample: {fmt_s(s['probe_forward_1_sample_s'])}), "
+        f"build_save_state {fmt_s(s['build_save_state_s'])}"
+    )
     p("\nStall per save on the training thread (median over saves 2..N, slowest rank)")
-    hdr = ("mode", "saver stall", "x memcpy", "of which staging wait", "save() call", "1st save",
-           "step excess", "persist", "commit", "persist MB/s", "manifest")
+    hdr = (
+        "mode",
+        "saver stall",
+        "x memcpy",
+        "of which staging wait",
+        "save() call",
+        "1st save",
+        "step excess",
+        "persist",
+        "commit",
+        "persist MB/s",
+        "manifest",
+    )
     rows = []
     for mode, m in s["modes"].items():
-        rows.append((mode, fmt_s(m["stall_s"]), f"{m['stall_x_memcpy']:.2f}x", fmt_s(m["staging_wait_s"]),
-                     fmt_s(m["save_call_s"]), fmt_s(m["stall_first_s"]), fmt_s(m["step_excess_s"]),
-                     fmt_s(m["persist_s"]), fmt_s(m["commit_s"]), f"{m['persist_MBps']:.0f}",
-                     "complete" if m["manifest_complete"] else "MISSING FILES"))
+        rows.append(
+            (
+                mode,
+                fmt_s(m["stall_s"]),
+                f"{m['stall_x_memcpy']:.2f}x",
+                fmt_s(m["staging_wait_s"]),
+                fmt_s(m["save_call_s"]),
+                fmt_s(m["stall_first_s"]),
+                fmt_s(m["step_excess_s"]),
+                fmt_s(m["persist_s"]),
+                fmt_s(m["commit_s"]),
+                f"{m['persist_MBps']:.0f}",
+                "complete" if m["manifest_complete"] else "MISSING FILES",
+            )
+        )
     ts = s["torch_save"]
-    rows.append(("torch.save gathered", fmt_s(ts["stall_s"]), f"{ts['stall_x_memcpy']:.2f}x", "-",
-                 f"gather {fmt_s(ts['gather_s'])}", "-", "-", f"write {fmt_s(ts['write_s'])}", "-", "-", "-"))
+    rows.append(
+        (
+            "torch.save gathered",
+            fmt_s(ts["stall_s"]),
+            f"{ts['stall_x_memcpy']:.2f}x",
+            "-",
+            f"gather {fmt_s(ts['gather_s'])}",
+            "-",
+            "-",
+            f"write {fmt_s(ts['write_s'])}",
+            "-",
+            "-",
+            "-",
+        )
+    )
     widths = [max(len(str(r[i])) for r in [hdr, *rows]) for i in range(len(hdr))]
     for r in [hdr, *rows]:
-        p("  " + "  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
-    p("  saver stall = blocked in save() + staging wait in the next optimizer.step; save() call adds the "
-      "manager's probe forward and state dict; step excess = extra time of the steps that overlapped the "
-      "background persist and commit")
+        p("  " + "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=False)))
+    p(
+        "  saver stall = blocked in save() + staging wait in the next optimizer.step; save() call adds the "
+        "manager's probe forward and state dict; step excess = extra time of the steps that overlapped the "
+        "background persist and commit"
+    )
     ps, L = s["persist"], s["load"]
     a = s["modes"].get("async_staging")
     p("\nThroughput (aggregate over ranks)                   MB/s    ratio   target")
     if a is not None:
-        p(f"  stall, async_staging vs memcpy floor           {'':>7}  {a['stall_x_memcpy']:6.3f}x  <= 1.0x "
-          f"{mark(a['stall_x_memcpy'] <= TARGETS['stall_x_memcpy'])}")
+        p(
+            f"  stall, async_staging vs memcpy floor           {'':>7}  {a['stall_x_memcpy']:6.3f}x  <= 1.0x "
+            f"{mark(a['stall_x_memcpy'] <= TARGETS['stall_x_memcpy'])}"
+        )
     p(f"  dd conv=fsync, one writer per rank             {ps['dd_concurrent_MBps']:7.0f}")
     p(f"  dd conv=fsync, one writer, all bytes           {ps['dd_single_MBps']:7.0f}")
-    p(f"  same tensors written raw from Python + fsync   {ps['tensor_write_MBps']:7.0f}  "
-      f"{ps['tensor_write_MBps'] / ps['dd_concurrent_MBps']:6.2f}x")
+    p(
+        f"  same tensors written raw from Python + fsync   {ps['tensor_write_MBps']:7.0f}  "
+        f"{ps['tensor_write_MBps'] / ps['dd_concurrent_MBps']:6.2f}x"
+    )
     if "background_MBps" in ps:
-        p(f"  persist in the background (training runs)      {ps['background_MBps']:7.0f}  "
-          f"{ps['background_x_dd']:6.2f}x  >= 0.8x {mark(ps['background_x_dd'] >= TARGETS['persist_x_dd'])}")
-    p(f"  persist, nothing else running                  {ps['idle_persist_MBps']:7.0f}  {ps['idle_x_dd']:6.2f}x  "
-      f">= 0.8x {mark(ps['idle_x_dd'] >= TARGETS['persist_x_dd'])}")
+        p(
+            f"  persist in the background (training runs)      {ps['background_MBps']:7.0f}  "
+            f"{ps['background_x_dd']:6.2f}x  >= 0.8x {mark(ps['background_x_dd'] >= TARGETS['persist_x_dd'])}"
+        )
+    p(
+        f"  persist, nothing else running                  {ps['idle_persist_MBps']:7.0f}  {ps['idle_x_dd']:6.2f}x  "
+        f">= 0.8x {mark(ps['idle_x_dd'] >= TARGETS['persist_x_dd'])}"
+    )
     p(f"  raw read, cold / warm                          {L['raw_cold_MBps']:7.0f} / {L['raw_warm_MBps']:.0f}")
-    p(f"  load_verified, cold (vs raw cold)              {L['load_cold_MBps']:7.0f}  "
-      f"{L['load_cold_x_raw_cold']:6.2f}x  >= 0.8x {mark(L['load_cold_x_raw_cold'] >= TARGETS['load_x_raw'])}")
-    p(f"  load_verified, warm (vs raw warm)              {L['load_warm_MBps']:7.0f}  "
-      f"{L['load_warm_x_raw_warm']:6.2f}x  >= 0.8x {mark(L['load_warm_x_raw_warm'] >= TARGETS['load_x_raw'])}")
+    p(
+        f"  load_verified, cold (vs raw cold)              {L['load_cold_MBps']:7.0f}  "
+        f"{L['load_cold_x_raw_cold']:6.2f}x  >= 0.8x {mark(L['load_cold_x_raw_cold'] >= TARGETS['load_x_raw'])}"
+    )
+    p(
+        f"  load_verified, warm (vs raw warm)              {L['load_warm_MBps']:7.0f}  "
+        f"{L['load_warm_x_raw_warm']:6.2f}x  >= 0.8x {mark(L['load_warm_x_raw_warm'] >= TARGETS['load_x_raw'])}"
+    )
     p(f"  verify, cold (vs raw cold)                     {L['verify_cold_MBps']:7.0f}  {L['verify_x_raw_cold']:6.2f}x")
     p(f"  resume = verify cold + load warm (vs raw cold) {L['resume_cold_MBps']:7.0f}  {L['resume_x_raw_cold']:6.2f}x")
-    p(f"  page cache before the cold reads: {L['resident_before_cold_reads']} bytes resident (fincore; "
-      "a host-side cache below the VM is not visible)")
+    p(
+        f"  page cache before the cold reads: {L['resident_before_cold_reads']} bytes resident (fincore; "
+        "a host-side cache below the VM is not visible)"
+    )
     if e is not None:
-        p(f"\nEnd to end: trainer.train --model {e['model']}, {e['steps']} steps after {e['warmup']} warm-up, "
-          f"save every {e['every']} vs --no-save")
-        p(f"  steps/s: no save {e['no_save_steps_per_s']:.3f}, with saves {e['save_steps_per_s']:.3f} "
-          f"({e['saves_in_window']} saves in the window)")
-        p(f"  median step: no save {fmt_s(e['no_save_median_step_s'])}, with saves "
-          f"{fmt_s(e['save_median_step_s'])} (differ => the machine changed between the runs); load average "
-          f"{e['no_save_load_avg'][0]:.1f}->{e['no_save_load_avg'][1]:.1f} and "
-          f"{e['save_load_avg'][0]:.1f}->{e['save_load_avg'][1]:.1f}")
-        verdict = ("NOT COMPARABLE: the median steps differ" if not e["comparable"]
-                   else mark(e["overhead_cross_run"] <= TARGETS["e2e_overhead"]))
-        p(f"  overhead, cross-run:      {e['overhead_cross_run'] * 100:+6.2f} %  (target <= 0.5 %: {verdict}; "
-          "includes the run-to-run noise)")
-        p(f"  overhead, within the run: {e['overhead_within_run'] * 100:+6.2f} %  of a {e['every']}-step interval "
-          f"({fmt_s(e['interval_s'])}; target: {mark(e['overhead_within_run'] <= TARGETS['e2e_overhead'])}); "
-          f"excess per save {', '.join(fmt_s(x) for x in e['excess_per_save_s'])}")
+        p(
+            f"\nEnd to end: trainer.train --model {e['model']}, {e['steps']} steps after {e['warmup']} warm-up, "
+            f"save every {e['every']} vs --no-save"
+        )
+        p(
+            f"  steps/s: no save {e['no_save_steps_per_s']:.3f}, with saves {e['save_steps_per_s']:.3f} "
+            f"({e['saves_in_window']} saves in the window)"
+        )
+        p(
+            f"  median step: no save {fmt_s(e['no_save_median_step_s'])}, with saves "
+            f"{fmt_s(e['save_median_step_s'])} (differ => the machine changed between the runs); load average "
+            f"{e['no_save_load_avg'][0]:.1f}->{e['no_save_load_avg'][1]:.1f} and "
+            f"{e['save_load_avg'][0]:.1f}->{e['save_load_avg'][1]:.1f}"
+        )
+        verdict = (
+            "NOT COMPARABLE: the median steps differ"
+            if not e["comparable"]
+            else mark(e["overhead_cross_run"] <= TARGETS["e2e_overhead"])
+        )
+        p(
+            f"  overhead, cross-run:      {e['overhead_cross_run'] * 100:+6.2f} %  (target <= 0.5 %: {verdict}; "
+            "includes the run-to-run noise)"
+        )
+        p(
+            f"  overhead, within the run: {e['overhead_within_run'] * 100:+6.2f} %  of a {e['every']}-step interval "
+            f"({fmt_s(e['interval_s'])}; target: {mark(e['overhead_within_run'] <= TARGETS['e2e_overhead'])}); "
+            f"excess per save {', '.join(fmt_s(x) for x in e['excess_per_save_s'])}"
+        )
         p(f"  noise control:            {e['overhead_control'] * 100:+6.2f} %  (same steps of the no-save run)")
         if "predicted" in e:
             pr = e["predicted"]
-            p(f"  from the worker's parts:  {pr['overhead'] * 100:+6.2f} %  (async_staging: save() call + staging "
-              f"wait + step excess = {fmt_s(pr['per_save_s'])} per save; of it the probe forward and "
-              f"state dict {pr['manager_share'] * 100:.2f} %)")
+            p(
+                f"  from the worker's parts:  {pr['overhead'] * 100:+6.2f} %  (async_staging: save() call + staging "
+                f"wait + step excess = {fmt_s(pr['per_save_s'])} per save; of it the probe forward and "
+                f"state dict {pr['manager_share'] * 100:.2f} %)"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     workdir = a.workdir or tempfile.mkdtemp(prefix="ckptflow-bench-trainer-")
     os.makedirs(workdir, exist_ok=True)
-    meta = {"machine": f"{os.cpu_count()} CPUs, {platform.python_implementation()} {platform.python_version()}",
-            "workdir": workdir, "argv": sys.argv[1:], "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "load_avg_start": os.getloadavg()}
+    meta = {
+        "machine": f"{os.cpu_count()} CPUs, {platform.python_implementation()} {platform.python_version()}",
+        "workdir": workdir,
+        "argv": sys.argv[1:],
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "load_avg_start": os.getloadavg(),
+    }
     try:
         df = subprocess.run(["df", "--output=source", workdir], capture_output=True, text=True).stdout.split()
         meta["workdir_dev"] = df[-1] if df else "?"
@@ -429,12 +574,18 @@ def main(argv: list[str] | None = None) -> int:
         meta["load_avg_end"] = os.getloadavg()
         meta["total_s"] = time.perf_counter() - t0
         print_report(summary, e2e, meta)
-        print(f"\n(total {meta['total_s']:.0f} s; load average {meta['load_avg_start'][0]:.2f} at start, "
-              f"{meta['load_avg_end'][0]:.2f} at end)")
+        print(
+            f"\n(total {meta['total_s']:.0f} s; load average {meta['load_avg_start'][0]:.2f} at start, "
+            f"{meta['load_avg_end'][0]:.2f} at end)"
+        )
         if a.out:
             with open(a.out, "w", encoding="utf-8") as f:
-                json.dump({"meta": meta, "summary": summary, "e2e": e2e, "raw": {"worker": worker, "e2e": e2e_raw}},
-                          f, indent=1, default=str)
+                json.dump(
+                    {"meta": meta, "summary": summary, "e2e": e2e, "raw": {"worker": worker, "e2e": e2e_raw}},
+                    f,
+                    indent=1,
+                    default=str,
+                )
             print(f"results: {a.out}")
     finally:
         if not a.keep and not a.workdir:

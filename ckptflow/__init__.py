@@ -53,8 +53,18 @@ _LAZY = {
 }
 
 __all__ = [
-    "CheckpointConfig", "CheckpointManager", "CheckpointNotFoundError", "CkptflowError", "ConfigError",
-    "IntegrityError", "ManifestError", "MismatchError", "Provenance", "SaveError", "SanitySpec", "StorageError",
+    "CheckpointConfig",
+    "CheckpointManager",
+    "CheckpointNotFoundError",
+    "CkptflowError",
+    "ConfigError",
+    "IntegrityError",
+    "ManifestError",
+    "MismatchError",
+    "Provenance",
+    "SaveError",
+    "SanitySpec",
+    "StorageError",
 ]
 
 

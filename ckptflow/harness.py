@@ -29,8 +29,11 @@ from typing import IO
 from ckptflow.trainer.errors import CkptflowError
 
 PY = sys.executable
-LOCAL_AWS = {"AWS_ACCESS_KEY_ID": "ckptflow-local", "AWS_SECRET_ACCESS_KEY": "ckptflow-local-secret",
-             "AWS_DEFAULT_REGION": "us-east-1"}
+LOCAL_AWS = {
+    "AWS_ACCESS_KEY_ID": "ckptflow-local",
+    "AWS_SECRET_ACCESS_KEY": "ckptflow-local-secret",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
 """Credentials for a local moto server (it accepts any); never real ones."""
 _CHILD_DROP = ("CKPTFLOW_FAULT", "PREFECT_API_URL", "PREFECT_API_KEY", "CKPTFLOW_CONFIG")
 
@@ -41,6 +44,7 @@ class HarnessError(CkptflowError, RuntimeError):
 
 # ---- ports and readiness ------------------------------------------------------------------
 
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as s:
@@ -48,8 +52,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_port(port: int, timeout: float = 30.0, *, proc: subprocess.Popen | None = None,
-              what: str = "server") -> None:
+def wait_port(port: int, timeout: float = 30.0, *, proc: subprocess.Popen | None = None, what: str = "server") -> None:
     """Until something accepts TCP connections on 127.0.0.1:``port``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -62,8 +65,7 @@ def wait_port(port: int, timeout: float = 30.0, *, proc: subprocess.Popen | None
     raise HarnessError(f"{what}: nothing listens on 127.0.0.1:{port} after {timeout:.0f} s")
 
 
-def wait_http(url: str, timeout: float = 60.0, *, proc: subprocess.Popen | None = None,
-              what: str = "server") -> None:
+def wait_http(url: str, timeout: float = 60.0, *, proc: subprocess.Popen | None = None, what: str = "server") -> None:
     """Until ``url`` answers with a status below 500 (or ``proc`` exits: then at once)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -83,6 +85,7 @@ def _check_alive(proc: subprocess.Popen | None, what: str) -> None:
 
 
 # ---- processes ----------------------------------------------------------------------------
+
 
 def child_env(extra: Mapping[str, str] | None = None, *, keep: tuple[str, ...] = ()) -> dict[str, str]:
     """Environment for a child we start: one intra-op thread, and none of our own settings
@@ -149,11 +152,23 @@ class Supervisor:
     def __init__(self) -> None:
         self.procs: list[tuple[str, subprocess.Popen]] = []
 
-    def start(self, name: str, args: list[str], *, env: Mapping[str, str] | None = None,
-              cwd: str | None = None, log: IO | None = None) -> subprocess.Popen:
-        p = subprocess.Popen(args, env=None if env is None else dict(env), cwd=cwd,
-                             stdout=log or subprocess.DEVNULL,
-                             stderr=subprocess.STDOUT if log else subprocess.DEVNULL, start_new_session=True)
+    def start(
+        self,
+        name: str,
+        args: list[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        log: IO | None = None,
+    ) -> subprocess.Popen:
+        p = subprocess.Popen(
+            args,
+            env=None if env is None else dict(env),
+            cwd=cwd,
+            stdout=log or subprocess.DEVNULL,
+            stderr=subprocess.STDOUT if log else subprocess.DEVNULL,
+            start_new_session=True,
+        )
         self.procs.append((name, p))
         return p
 
@@ -174,34 +189,42 @@ class Supervisor:
 
 # ---- servers ------------------------------------------------------------------------------
 
+
 class MotoServer:
     """moto's S3-compatible server in its own process on 127.0.0.1, spoken to over HTTP."""
 
-    def __init__(self, log_path: str | None = None, env: Mapping[str, str] | None = None,
-                 start_timeout: float = 60.0) -> None:
+    def __init__(
+        self, log_path: str | None = None, env: Mapping[str, str] | None = None, start_timeout: float = 60.0
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         log = open(log_path, "ab") if log_path else None
         self._proc: subprocess.Popen | None = subprocess.Popen(
             [PY, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT if log else subprocess.DEVNULL,
-            env=child_env(env), start_new_session=True)
+            stdout=log or subprocess.DEVNULL,
+            stderr=subprocess.STDOUT if log else subprocess.DEVNULL,
+            env=child_env(env),
+            start_new_session=True,
+        )
         if log is not None:
             log.close()
         try:
             wait_http(f"{self.url}/moto-api/", timeout=start_timeout, proc=self._proc, what="moto")
         except HarnessError:
             self.stop()
-            raise HarnessError(f"the local S3 server (moto) did not start; see {log_path or 'its output'}") \
-                from None
+            raise HarnessError(f"the local S3 server (moto) did not start; see {log_path or 'its output'}") from None
 
     def make_bucket(self, bucket: str) -> str:
         import boto3
 
-        boto3.client("s3", endpoint_url=self.url, aws_access_key_id=LOCAL_AWS["AWS_ACCESS_KEY_ID"],
-                     aws_secret_access_key=LOCAL_AWS["AWS_SECRET_ACCESS_KEY"],
-                     region_name=LOCAL_AWS["AWS_DEFAULT_REGION"]).create_bucket(Bucket=bucket)
+        boto3.client(
+            "s3",
+            endpoint_url=self.url,
+            aws_access_key_id=LOCAL_AWS["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=LOCAL_AWS["AWS_SECRET_ACCESS_KEY"],
+            region_name=LOCAL_AWS["AWS_DEFAULT_REGION"],
+        ).create_bucket(Bucket=bucket)
         return bucket
 
     def stop(self) -> None:
@@ -220,13 +243,25 @@ class PrefectServer:
     ``PREFECT_API_URL`` should be. ``restart()`` kills it and starts it again on the same
     port and database, like a server redeploy."""
 
-    def __init__(self, home: str, log_path: str, env: Mapping[str, str] | None = None, *,
-                 start_timeout: float = 180.0, start: bool = True) -> None:
+    def __init__(
+        self,
+        home: str,
+        log_path: str,
+        env: Mapping[str, str] | None = None,
+        *,
+        start_timeout: float = 180.0,
+        start: bool = True,
+    ) -> None:
         os.makedirs(home, exist_ok=True)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/api"
-        self.env = dict(child_env(env), PREFECT_HOME=home, PREFECT_SERVER_ANALYTICS_ENABLED="false",
-                        PREFECT_UI_ENABLED="false", PREFECT_API_URL=self.url)
+        self.env = dict(
+            child_env(env),
+            PREFECT_HOME=home,
+            PREFECT_SERVER_ANALYTICS_ENABLED="false",
+            PREFECT_UI_ENABLED="false",
+            PREFECT_API_URL=self.url,
+        )
         self.log_path = log_path
         self.start_timeout = start_timeout
         self.restarts = 0
@@ -243,7 +278,11 @@ class PrefectServer:
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(
                 [PY, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
-                stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
+            )
 
     def wait_ready(self) -> None:
         try:
@@ -297,13 +336,33 @@ def wait_deployments(names: list[str], timeout: float) -> None:
 REFERENCE_JOB = "ckptflow.trainer.train"
 
 
-def reference_job(root: str, run_id: str, *, max_steps: int, save_every: int, nproc: int = 1,
-                  model: str = "tiny", max_restarts: int = 0, extra: list[str] | None = None,
-                  module: str = REFERENCE_JOB) -> list[str]:
+def reference_job(
+    root: str,
+    run_id: str,
+    *,
+    max_steps: int,
+    save_every: int,
+    nproc: int = 1,
+    model: str = "tiny",
+    max_restarts: int = 0,
+    extra: list[str] | None = None,
+    module: str = REFERENCE_JOB,
+) -> list[str]:
     """The reference job's command: a plain process at ``nproc=1`` (no torchrun, ~5 s on the
     tiny model), a standalone torchrun job of ``nproc`` ranks above."""
-    args = ["--ckpt-root", str(root), "--run-id", run_id, "--max-steps", str(max_steps),
-            "--save-every", str(save_every), "--model", model, *(extra or [])]
+    args = [
+        "--ckpt-root",
+        str(root),
+        "--run-id",
+        run_id,
+        "--max-steps",
+        str(max_steps),
+        "--save-every",
+        str(save_every),
+        "--model",
+        model,
+        *(extra or []),
+    ]
     if nproc == 1 and max_restarts == 0:
         if "--parallel" not in args:
             args = ["--parallel", "none", *args]
@@ -311,8 +370,16 @@ def reference_job(root: str, run_id: str, *, max_steps: int, save_every: int, np
     return torchrun(module, args, nproc=nproc, max_restarts=max_restarts)
 
 
-def torchrun(module: str, args: list[str], *, nproc: int, max_restarts: int = 0,
-             nnodes: int = 1, node_rank: int = 0, rdzv_port: int | None = None) -> list[str]:
+def torchrun(
+    module: str,
+    args: list[str],
+    *,
+    nproc: int,
+    max_restarts: int = 0,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    rdzv_port: int | None = None,
+) -> list[str]:
     """``torchrun`` of ``module``: standalone on one node, or one agent of ``nnodes`` nodes
     meeting at a c10d rendezvous on 127.0.0.1:``rdzv_port``."""
     if nnodes == 1:
@@ -320,7 +387,22 @@ def torchrun(module: str, args: list[str], *, nproc: int, max_restarts: int = 0,
     else:
         if rdzv_port is None:
             raise ValueError("a multi-node torchrun needs rdzv_port")
-        where = [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=c10d",
-                 f"--rdzv-endpoint=127.0.0.1:{rdzv_port}", "--rdzv-id=ckptflow"]
-    return [PY, "-m", "torch.distributed.run", *where, f"--nproc-per-node={nproc}",
-            f"--max-restarts={max_restarts}", "--monitor-interval=0.5", "-m", module, *args]
+        where = [
+            f"--nnodes={nnodes}",
+            f"--node-rank={node_rank}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{rdzv_port}",
+            "--rdzv-id=ckptflow",
+        ]
+    return [
+        PY,
+        "-m",
+        "torch.distributed.run",
+        *where,
+        f"--nproc-per-node={nproc}",
+        f"--max-restarts={max_restarts}",
+        "--monitor-interval=0.5",
+        "-m",
+        module,
+        *args,
+    ]

@@ -42,8 +42,10 @@ WEBHOOK_ENV = "CKPTFLOW_WEBHOOK_URL"
 def _private(url: str) -> bool:
     host = urllib.parse.urlparse(url).hostname or ""
     try:
-        return any(ipaddress.ip_address(ai[4][0]).is_private or ipaddress.ip_address(ai[4][0]).is_loopback
-                   for ai in socket.getaddrinfo(host, None))
+        return any(
+            ipaddress.ip_address(ai[4][0]).is_private or ipaddress.ip_address(ai[4][0]).is_loopback
+            for ai in socket.getaddrinfo(host, None)
+        )
     except (OSError, ValueError):
         return False
 
@@ -56,24 +58,28 @@ def _templates() -> dict[str, tuple[str, str]]:
         "lifecycle run failed or crashed": (
             "ckptflow: lifecycle {{ flow_run.name }} {{ flow_run.state.name }}",
             "Flow run {{ flow_run.name }} (checkpoint lifecycle) ended {{ flow_run.state.name }}: "
-            "{{ flow_run.state.message }}. Run `ckptflow ls` and look at the flow run's logs."),
+            "{{ flow_run.state.message }}. Run `ckptflow ls` and look at the flow run's logs.",
+        ),
         "drill run crashed": (
             "ckptflow: restore drill {{ flow_run.name }} crashed",
-            "The restore drill flow run {{ flow_run.name }} crashed (infrastructure): "
-            "{{ flow_run.state.message }}."),
+            "The restore drill flow run {{ flow_run.name }} crashed (infrastructure): {{ flow_run.state.message }}.",
+        ),
         "checkpoint quarantined": (
             f"ckptflow: checkpoint {run} step {step} quarantined",
             f"Run {run}, checkpoint step {step} ({{{{ event.payload.uri }}}}) failed verification and was "
-            "quarantined (never promoted; resume skips it). What failed: {{ event.payload.reasons | join('; ') }}"),
+            "quarantined (never promoted; resume skips it). What failed: {{ event.payload.reasons | join('; ') }}",
+        ),
         "restore drill failed": (
             f"ckptflow: restore drill FAILED for {run} step {step}",
             f"Run {run}, checkpoint step {step} ({{{{ event.payload.uri }}}}): the restore drill failed: "
-            "{{ event.payload.failure or event.payload.reason }}"),
+            "{{ event.payload.failure or event.payload.reason }}",
+        ),
         "trainer stalled": (
             "ckptflow: no checkpoint committed for run {{ event.resource['ckptflow.run_id'] }}",
             "Run {{ event.resource['ckptflow.run_id'] }}: no ckptflow.checkpoint.committed event within the "
             "expected time (last committed: step {{ event.resource['ckptflow.step'] }} at {{ event.occurred }}). "
-            "The trainer may be stalled or dead."),
+            "The trainer may be stalled or dead.",
+        ),
     }
 
 
@@ -86,22 +92,40 @@ def _triggers(stall_after_s: float) -> dict[str, Any]:
             expect={"prefect.flow-run.Failed", "prefect.flow-run.Crashed"},
             match={"prefect.resource.id": "prefect.flow-run.*"},
             match_related={"prefect.resource.role": "flow", "prefect.resource.name": "ckptflow-lifecycle"},
-            posture=Posture.Reactive, threshold=1, within=timedelta(0)),
+            posture=Posture.Reactive,
+            threshold=1,
+            within=timedelta(0),
+        ),
         "drill run crashed": EventTrigger(
-            expect={"prefect.flow-run.Crashed"}, match={"prefect.resource.id": "prefect.flow-run.*"},
+            expect={"prefect.flow-run.Crashed"},
+            match={"prefect.resource.id": "prefect.flow-run.*"},
             match_related={"prefect.resource.role": "flow", "prefect.resource.name": "ckptflow-restore-drill"},
-            posture=Posture.Reactive, threshold=1, within=timedelta(0)),
-        "checkpoint quarantined": EventTrigger(expect={"ckptflow.checkpoint.failed"}, match=ckpt,
-                                               posture=Posture.Reactive, threshold=1, within=timedelta(0)),
-        "restore drill failed": EventTrigger(expect={"ckptflow.drill.failed"}, match=ckpt,
-                                             posture=Posture.Reactive, threshold=1, within=timedelta(0)),
+            posture=Posture.Reactive,
+            threshold=1,
+            within=timedelta(0),
+        ),
+        "checkpoint quarantined": EventTrigger(
+            expect={"ckptflow.checkpoint.failed"},
+            match=ckpt,
+            posture=Posture.Reactive,
+            threshold=1,
+            within=timedelta(0),
+        ),
+        "restore drill failed": EventTrigger(
+            expect={"ckptflow.drill.failed"}, match=ckpt, posture=Posture.Reactive, threshold=1, within=timedelta(0)
+        ),
         # One bucket per run: each run that has ever committed is watched on its own.
         # `after` starts a run's bucket at its first commit; `expect` then wants the next
         # commit within the window, else the trigger fires for that run.
-        "trainer stalled": EventTrigger(after={"ckptflow.checkpoint.committed"},
-                                        expect={"ckptflow.checkpoint.committed"}, match=ckpt,
-                                        for_each={"ckptflow.run_id"}, posture=Posture.Proactive,
-                                        threshold=1, within=timedelta(seconds=stall_after_s)),
+        "trainer stalled": EventTrigger(
+            after={"ckptflow.checkpoint.committed"},
+            expect={"ckptflow.checkpoint.committed"},
+            match=ckpt,
+            for_each={"ckptflow.run_id"},
+            posture=Posture.Proactive,
+            threshold=1,
+            within=timedelta(seconds=stall_after_s),
+        ),
     }
 
 
@@ -112,9 +136,12 @@ def setup_alerts(webhook_url: str, *, stall_after_s: float = 3600.0, allow_priva
     from prefect.events.actions import SendNotification
 
     block = CustomWebhookNotificationBlock(
-        name="ckptflow", url=webhook_url, method="POST",
+        name="ckptflow",
+        url=webhook_url,
+        method="POST",
         json_data={"subject": "{{subject}}", "body": "{{body}}", "source": "ckptflow"},
-        allow_private_urls=_private(webhook_url) if allow_private is None else allow_private)
+        allow_private_urls=_private(webhook_url) if allow_private is None else allow_private,
+    )
     block_id = block.save(BLOCK_NAME, overwrite=True)
     texts, triggers = _templates(), _triggers(stall_after_s)
     from prefect.client.orchestration import get_client
@@ -127,8 +154,12 @@ def setup_alerts(webhook_url: str, *, stall_after_s: float = 3600.0, allow_priva
     for name, trig in triggers.items():
         full = PREFIX + name
         subject, body = texts[name]
-        a = Automation(name=full, description=f"ckptflow alert: {name}", trigger=trig,
-                       actions=[SendNotification(block_document_id=block_id, subject=subject, body=body)]).create()
+        a = Automation(
+            name=full,
+            description=f"ckptflow alert: {name}",
+            trigger=trig,
+            actions=[SendNotification(block_document_id=block_id, subject=subject, body=body)],
+        ).create()
         out["automations"][name] = str(a.id)
     return out
 
@@ -144,8 +175,12 @@ def _api_reachable() -> bool:
 
 
 def post_webhook(url: str, subject: str, body: str, timeout: float = 5.0) -> None:
-    req = urllib.request.Request(url, data=json.dumps({"subject": subject, "body": body, "source": "ckptflow"}).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
+    req = urllib.request.Request(
+        url,
+        data=json.dumps({"subject": subject, "body": body, "source": "ckptflow"}).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
     with urllib.request.urlopen(req, timeout=timeout):  # noqa: S310 - URL from config
         pass
 
@@ -163,11 +198,18 @@ def notify_on_failure(flow, flow_run, state) -> None:  # noqa: ANN001 - Prefect 
         except Exception:
             url = None
     if not url:
-        log.error("flow run %s %s and no alert could be sent: Prefect API unreachable and no %s configured",
-                  flow_run.name, state.name, WEBHOOK_ENV)
+        log.error(
+            "flow run %s %s and no alert could be sent: Prefect API unreachable and no %s configured",
+            flow_run.name,
+            state.name,
+            WEBHOOK_ENV,
+        )
         return
     try:
-        post_webhook(url, f"ckptflow: {flow_run.name} {state.name} (Prefect API unreachable)",
-                     f"Flow run {flow_run.name} of {flow.name} ended {state.name}: {state.message}")
+        post_webhook(
+            url,
+            f"ckptflow: {flow_run.name} {state.name} (Prefect API unreachable)",
+            f"Flow run {flow_run.name} of {flow.name} ended {state.name}: {state.message}",
+        )
     except Exception as e:
         log.error("could not post the failure alert for %s: %s", flow_run.name, type(e).__name__)

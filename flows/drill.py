@@ -18,8 +18,8 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
-from ckptflow.flows.emit import artifact_key, emit
 from ckptflow.flows.alerts import notify_on_failure
+from ckptflow.flows.emit import artifact_key, emit
 from ckptflow.tasks.config import CkptflowConfig, load_config
 from ckptflow.tasks.drill import append_history, drill_one, pick_steps, read_history
 from ckptflow.tasks.report import drill_markdown, plot_drill, read_metrics
@@ -38,25 +38,44 @@ def default_history_dir(cfg: CkptflowConfig) -> str:
 
 
 @task(name="restore", task_run_name="restore-{run_id}-{step}", retries=0)
-def restore_task(cfg: CkptflowConfig, run_id: str, step: int, world_size: int | None,
-                 scratch_root: str | None) -> dict[str, Any]:
+def restore_task(
+    cfg: CkptflowConfig, run_id: str, step: int, world_size: int | None, scratch_root: str | None
+) -> dict[str, Any]:
     """Download, decompress, verify, sanity step at another world size; timed."""
     res = drill_one(drill_tier(cfg), run_id, step, world_size=world_size, scratch_root=scratch_root)
     log = get_run_logger()
     if res.ok:
-        log.info("%s step %d restored from %s in %.1f s (probe %s at world size %s)", run_id, step, res.tier,
-                 res.recovery_seconds, res.probe_match, res.world_size)
+        log.info(
+            "%s step %d restored from %s in %.1f s (probe %s at world size %s)",
+            run_id,
+            step,
+            res.tier,
+            res.recovery_seconds,
+            res.probe_match,
+            res.world_size,
+        )
     else:
         log.error("%s step %d: drill FAILED: %s", run_id, step, res.failure)
     return res.to_dict()
 
 
-@flow(name="ckptflow-restore-drill", flow_run_name="drill-{run_id}", log_prints=True,
-      on_failure=[notify_on_failure], on_crashed=[notify_on_failure])
-def restore_drill(run_id: str | None = None, config: str | None = None, step: int | None = None,
-                  world_size: int | None = None, random_older: bool | None = None,
-                  history_dir: str | None = None, scratch_dir: str | None = None,
-                  seed: int | None = None) -> dict[str, Any]:
+@flow(
+    name="ckptflow-restore-drill",
+    flow_run_name="drill-{run_id}",
+    log_prints=True,
+    on_failure=[notify_on_failure],
+    on_crashed=[notify_on_failure],
+)
+def restore_drill(
+    run_id: str | None = None,
+    config: str | None = None,
+    step: int | None = None,
+    world_size: int | None = None,
+    random_older: bool | None = None,
+    history_dir: str | None = None,
+    scratch_dir: str | None = None,
+    seed: int | None = None,
+) -> dict[str, Any]:
     """Restore cold checkpoints into scratch and prove them; fail the run if any does not."""
     cfg = load_config(config)
     tier = drill_tier(cfg)
@@ -67,12 +86,16 @@ def restore_drill(run_id: str | None = None, config: str | None = None, step: in
     out: dict[str, Any] = {"tier": tier.name, "runs": {}}
     failures = []
     for rid in runs:
-        steps = [step] if step is not None else pick_steps(
-            tier, rid, random_older=cfg.drill.random_older if random_older is None else random_older, seed=seed)
+        steps = (
+            [step]
+            if step is not None
+            else pick_steps(
+                tier, rid, random_older=cfg.drill.random_older if random_older is None else random_older, seed=seed
+            )
+        )
         if not steps:
             failures.append(f"{rid}: no committed checkpoint on the {tier.name} tier ({tier.url})")
-            emit(events.DRILL_FAILED, rid, -1, {"reason": failures[-1], "drill_id": _drill_id()},
-                     key=_drill_id())
+            emit(events.DRILL_FAILED, rid, -1, {"reason": failures[-1], "drill_id": _drill_id()}, key=_drill_id())
             continue
         earlier = read_history(history_dir, rid)
         results = [restore_task(cfg, rid, s, world_size or cfg.drill.world_size, scratch_dir) for s in steps]
@@ -82,9 +105,15 @@ def restore_drill(run_id: str | None = None, config: str | None = None, step: in
         md = drill_markdown(rid, results, earlier, plot)
         _artifact(rid, md)
         for r in results:
-            payload = {"run_id": rid, "step": r["step"], "uri": r["uri"], "ok": r["ok"],
-                       "recovery_seconds": r["recovery_seconds"], "failure": r["failure"],
-                       "drill_id": _drill_id()}
+            payload = {
+                "run_id": rid,
+                "step": r["step"],
+                "uri": r["uri"],
+                "ok": r["ok"],
+                "recovery_seconds": r["recovery_seconds"],
+                "failure": r["failure"],
+                "drill_id": _drill_id(),
+            }
             if r["ok"]:
                 emit(events.DRILL_COMPLETED, rid, r["step"], payload, key=payload["drill_id"])
             else:
@@ -124,8 +153,7 @@ def _plot(cfg: CkptflowConfig, run_id: str, tier: Tier, results: list[dict], his
     try:
         rows = read_metrics(layout.run_dir(cfg.hot.url, run_id))  # read-only
         path = os.path.join(history_dir, f"{run_id}-drill-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.png")
-        return plot_drill(path, run_id=run_id, rows=rows, checkpoint_steps=tier.committed_steps(run_id),
-                          drills=results)
+        return plot_drill(path, run_id=run_id, rows=rows, checkpoint_steps=tier.committed_steps(run_id), drills=results)
     except Exception as e:  # a missing plot must not hide the drill's verdict
         get_run_logger().warning("drill plot failed: %s", e)
         return None
@@ -133,7 +161,8 @@ def _plot(cfg: CkptflowConfig, run_id: str, tier: Tier, results: list[dict], his
 
 def _artifact(run_id: str, md: str) -> None:
     try:
-        create_markdown_artifact(key=artifact_key("drill", run_id), markdown=md,
-                                 description=f"restore drill of {run_id}")
+        create_markdown_artifact(
+            key=artifact_key("drill", run_id), markdown=md, description=f"restore drill of {run_id}"
+        )
     except Exception as e:
         get_run_logger().warning("could not create the drill artifact: %s", e)

@@ -26,10 +26,17 @@ def emit(event: str, run_id: str, step: int, payload: dict[str, Any], *, key: st
     try:
         from prefect.events import emit_event
 
-        emit_event(event=event, resource={"prefect.resource.id": resource_id(run_id, step),
-                                          "prefect.resource.name": f"{run_id} step {step}",
-                                          "ckptflow.run_id": run_id, "ckptflow.step": str(step)},
-                   payload=payload, id=uuid.UUID(event_id(run_id, step, f"{event}#{key}" if key else event)))
+        emit_event(
+            event=event,
+            resource={
+                "prefect.resource.id": resource_id(run_id, step),
+                "prefect.resource.name": f"{run_id} step {step}",
+                "ckptflow.run_id": run_id,
+                "ckptflow.step": str(step),
+            },
+            payload=payload,
+            id=uuid.UUID(event_id(run_id, step, f"{event}#{key}" if key else event)),
+        )
     except Exception as e:  # an event is a notification, not part of the work
         log.warning("could not emit %s for %s step %s: %s", event, run_id, step, e)
 

@@ -43,20 +43,28 @@ def stage_task(stage: Stage, ref: CheckpointRef) -> StageRecord | None:
     elif not rec.ok:
         log.error("%s step %d QUARANTINED: %s", ref.run_id, ref.step, "; ".join(rec.reasons))
     else:
-        log.info("%s step %d %s%s (%.1f s)", ref.run_id, ref.step, rec.record,
-                 " (record existed)" if rec.skipped else "", rec.seconds)
+        log.info(
+            "%s step %d %s%s (%.1f s)",
+            ref.run_id,
+            ref.step,
+            rec.record,
+            " (record existed)" if rec.skipped else "",
+            rec.seconds,
+        )
     return rec
 
 
 def run_stage_task(stage: Stage, ref: CheckpointRef) -> StageRecord | None:
     """``stage_task`` with the stage's own name and retries."""
-    return stage_task.with_options(name=stage.name, retries=len(stage.retry_delays_s),
-                                   retry_delay_seconds=list(stage.retry_delays_s))(stage, ref)
+    return stage_task.with_options(
+        name=stage.name, retries=len(stage.retry_delays_s), retry_delay_seconds=list(stage.retry_delays_s)
+    )(stage, ref)
 
 
 @flow(name="ckptflow-lifecycle", flow_run_name=FLOW_RUN_NAME, log_prints=True)
-def lifecycle(run_id: str, step: int, uri: str = "", root: str | None = None,
-              config: str | None = None) -> dict[str, Any]:
+def lifecycle(
+    run_id: str, step: int, uri: str = "", root: str | None = None, config: str | None = None
+) -> dict[str, Any]:
     """Verify, compress, promote, archive and prune one committed checkpoint."""
     ref = CheckpointRef.of(run_id, step, config=config, root=root, uri=uri)
     with Heartbeat(ref.run_path, ref.step, owner={"flow_run_id": _flow_run_id()}):
@@ -113,21 +121,32 @@ def _row(stage: Stage, rec: StageRecord | None) -> tuple[str, str, str, str, str
     raw, stored = b.get("bytes_raw", 0) or b.get("integrity", {}).get("bytes", 0), b.get("bytes_stored", 0)
     ratio = f"{raw / stored:.3f}x" if stored else ""
     status = "skipped (done before)" if rec.skipped else "ok"
-    return (stage.name, status, f"{raw:,} -> {stored:,}" if stored else (f"{raw:,}" if raw else ""), ratio,
-            f"{rec.seconds:.2f}")
+    return (
+        stage.name,
+        status,
+        f"{raw:,} -> {stored:,}" if stored else (f"{raw:,}" if raw else ""),
+        ratio,
+        f"{rec.seconds:.2f}",
+    )
 
 
 def _markdown(ref: CheckpointRef, rows: list[tuple[str, str, str, str, str]], verdict: str) -> str:
-    lines = [f"# {ref.run_id} {layout.step_name(ref.step)}: {verdict}", "",
-             "| stage | result | bytes (raw -> stored) | ratio | seconds |", "|---|---|---|---|---|"]
+    lines = [
+        f"# {ref.run_id} {layout.step_name(ref.step)}: {verdict}",
+        "",
+        "| stage | result | bytes (raw -> stored) | ratio | seconds |",
+        "|---|---|---|---|---|",
+    ]
     lines += [f"| {a} | {b} | {c} | {d} | {e} |" for a, b, c, d, e in rows]
     return "\n".join(lines)
 
 
 def _artifact(ref: CheckpointRef, rows: list, verdict: str) -> None:
     try:
-        create_markdown_artifact(key=artifact_key("lifecycle", ref.run_id, ref.step),
-                                 markdown=_markdown(ref, rows, verdict),
-                                 description=f"lifecycle of {ref.run_id} step {ref.step}")
+        create_markdown_artifact(
+            key=artifact_key("lifecycle", ref.run_id, ref.step),
+            markdown=_markdown(ref, rows, verdict),
+            description=f"lifecycle of {ref.run_id} step {ref.step}",
+        )
     except Exception as e:  # a report must never fail the lifecycle itself
         get_run_logger().warning("could not create the lifecycle artifact: %s", e)

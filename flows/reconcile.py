@@ -90,14 +90,19 @@ def in_flight_lifecycles(run_id: str) -> dict[int, list[FlowRun]]:
 
     prefix = run_name_prefix(run_id)
     with get_client(sync_client=True) as c:
-        runs = c.read_flow_runs(flow_run_filter=FlowRunFilter(
-            name=FlowRunFilterName(like_=prefix),
-            state=FlowRunFilterState(type=FlowRunFilterStateType(
-                any_=[StateType.PENDING, StateType.SCHEDULED, StateType.RUNNING]))), limit=200)
+        runs = c.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                name=FlowRunFilterName(like_=prefix),
+                state=FlowRunFilterState(
+                    type=FlowRunFilterStateType(any_=[StateType.PENDING, StateType.SCHEDULED, StateType.RUNNING])
+                ),
+            ),
+            limit=200,
+        )
     steps: dict[int, list[FlowRun]] = {}
     now = time.time()
     for r in runs:
-        tail = r.name[len(prefix):] if r.name.startswith(prefix) else ""
+        tail = r.name[len(prefix) :] if r.name.startswith(prefix) else ""
         if tail.isdigit():
             age = now - r.created.timestamp() if r.created else float("inf")
             # A subflow run that is not RUNNING belongs to a process that died between
@@ -123,8 +128,9 @@ def mark_crashed(flow_run_id: str, why: str) -> None:
                 if state is not None and state.value == "CRASHED":
                     return
                 time.sleep(0.5 * (attempt + 1))
-        get_run_logger().warning("flow run %s did not take the crashed state (%s)", flow_run_id,
-                                 getattr(res, "status", None))
+        get_run_logger().warning(
+            "flow run %s did not take the crashed state (%s)", flow_run_id, getattr(res, "status", None)
+        )
     except Exception as e:  # bookkeeping only: the lifecycle re-runs either way
         get_run_logger().warning("could not mark flow run %s crashed: %s", flow_run_id, e)
 
@@ -134,7 +140,7 @@ def age_moves(cfg: CkptflowConfig, run_id: str, now: float) -> list[dict[str, An
     the stage that does so (lease, record): a move is done once, like the lifecycle's."""
     moved = []
     tiers = cfg.tiers()
-    for cur, nxt in zip(tiers, tiers[1:]):
+    for cur, nxt in zip(tiers, tiers[1:], strict=False):
         if cur.move_after_hours is None:
             continue
         stage = stage_for_tier(nxt.name)
@@ -146,14 +152,27 @@ def age_moves(cfg: CkptflowConfig, run_id: str, now: float) -> list[dict[str, An
                 continue
             rec = run_stage_task(stage, CheckpointRef(cfg, run_id, s))
             if rec is not None and not rec.skipped:
-                moved.append({"step": s, "from": cur.name, "to": nxt.name, "stage": stage.name,
-                              "bytes": rec.body.get("bytes_stored"), "ok": rec.ok})
+                moved.append(
+                    {
+                        "step": s,
+                        "from": cur.name,
+                        "to": nxt.name,
+                        "stage": stage.name,
+                        "bytes": rec.body.get("bytes_stored"),
+                        "ok": rec.ok,
+                    }
+                )
     return moved
 
 
 @flow(name="ckptflow-reconcile", flow_run_name="reconcile", log_prints=True)
-def reconcile(root: str | None = None, config: str | None = None, tmp_older_than_s: float = 3600.0,
-              run_lifecycles: bool = True, queued_grace_s: float = 600.0) -> dict[str, Any]:
+def reconcile(
+    root: str | None = None,
+    config: str | None = None,
+    tmp_older_than_s: float = 3600.0,
+    run_lifecycles: bool = True,
+    queued_grace_s: float = 600.0,
+) -> dict[str, Any]:
     """Process missed commits, move aged checkpoints, clean stale temporary dirs.
 
     ``queued_grace_s``: a lifecycle run queued (scheduled/pending) for less than this is
@@ -181,10 +200,21 @@ def reconcile(root: str | None = None, config: str | None = None, tmp_older_than
                 done.append(_run_lifecycle(cfg, config, run_id, s))
         moved = age_moves(cfg, run_id, now)
         cleaned = [p for t in cfg.tiers() for p in Tier(t).clean_stale(run_id, older_than_s=tmp_older_than_s)]
-        out["runs"][run_id] = {"unfinished": todo, "in_flight": sorted(busy), "processed": done,
-                               "moved": moved, "cleaned": cleaned}
-        log.info("%s: %d unfinished, %d processed, %d moved, %d stale dirs removed", run_id, len(todo),
-                 len(done), len(moved), len(cleaned))
+        out["runs"][run_id] = {
+            "unfinished": todo,
+            "in_flight": sorted(busy),
+            "processed": done,
+            "moved": moved,
+            "cleaned": cleaned,
+        }
+        log.info(
+            "%s: %d unfinished, %d processed, %d moved, %d stale dirs removed",
+            run_id,
+            len(todo),
+            len(done),
+            len(moved),
+            len(cleaned),
+        )
     return out
 
 
@@ -193,10 +223,15 @@ def _run_lifecycle(cfg: CkptflowConfig, config: str | None, run_id: str, step: i
     # hold back the steps and runs after it: its own run failed and alerted; reconcile
     # records it and goes on, and the next pass retries it.
     run_path = layout.run_dir(cfg.hot.url, run_id)
-    state = lifecycle(run_id=run_id, step=step, uri=layout.join(run_path, layout.step_name(step)),
-                      root=cfg.hot.url, config=config, return_state=True)
+    state = lifecycle(
+        run_id=run_id,
+        step=step,
+        uri=layout.join(run_path, layout.step_name(step)),
+        root=cfg.hot.url,
+        config=config,
+        return_state=True,
+    )
     if state.is_completed():
         return {"step": step, "status": state.result().get("status")}
-    get_run_logger().error("%s step %d: lifecycle ended %s; the next reconcile retries it", run_id, step,
-                           state.name)
+    get_run_logger().error("%s step %d: lifecycle ended %s; the next reconcile retries it", run_id, step, state.name)
     return {"step": step, "status": "failed", "state": state.name}

@@ -54,16 +54,31 @@ LIFECYCLE_PARAMETERS = {
 }
 
 DEPLOYMENTS = (
-    Deployment("lifecycle", "ckptflow.flows.lifecycle:lifecycle",
-               "verify -> compress -> promote -> archive -> prune, per committed checkpoint",
-               concurrency_limit=2,  # a burst of commits must not start a burst of sanity steps
-               trigger={"expect": [COMMITTED], "match": {"prefect.resource.id": "ckptflow.checkpoint.*"},
-                        "parameters": LIFECYCLE_PARAMETERS}),
-    Deployment("reconcile", "ckptflow.flows.reconcile:reconcile",
-               "missed commits, age-based tier moves, stale .tmp clean-up", concurrency_limit=1, interval_s=300),
-    Deployment("restore-drill", "ckptflow.flows.drill:restore_drill",
-               "restore the newest cold checkpoint into scratch, sanity step at another world size, RTO",
-               concurrency_limit=1, cron_from_config=True),
+    Deployment(
+        "lifecycle",
+        "ckptflow.flows.lifecycle:lifecycle",
+        "verify -> compress -> promote -> archive -> prune, per committed checkpoint",
+        concurrency_limit=2,  # a burst of commits must not start a burst of sanity steps
+        trigger={
+            "expect": [COMMITTED],
+            "match": {"prefect.resource.id": "ckptflow.checkpoint.*"},
+            "parameters": LIFECYCLE_PARAMETERS,
+        },
+    ),
+    Deployment(
+        "reconcile",
+        "ckptflow.flows.reconcile:reconcile",
+        "missed commits, age-based tier moves, stale .tmp clean-up",
+        concurrency_limit=1,
+        interval_s=300,
+    ),
+    Deployment(
+        "restore-drill",
+        "ckptflow.flows.drill:restore_drill",
+        "restore the newest cold checkpoint into scratch, sanity step at another world size, RTO",
+        concurrency_limit=1,
+        cron_from_config=True,
+    ),
 )
 
 
@@ -80,8 +95,13 @@ def deployments(config: str | None, reconcile_every_s: int | None = None) -> tup
     for d in DEPLOYMENTS:
         kw: dict[str, Any] = {"name": d.name, "description": d.description, "parameters": dict(params)}
         if d.trigger is not None:
-            kw["triggers"] = [DeploymentEventTrigger(expect=set(d.trigger["expect"]), match=d.trigger["match"],
-                                                     parameters={**d.trigger["parameters"], **params})]
+            kw["triggers"] = [
+                DeploymentEventTrigger(
+                    expect=set(d.trigger["expect"]),
+                    match=d.trigger["match"],
+                    parameters={**d.trigger["parameters"], **params},
+                )
+            ]
             kw.pop("parameters")
         if d.interval_s is not None:
             kw["interval"] = reconcile_every_s or d.interval_s
@@ -92,16 +112,20 @@ def deployments(config: str | None, reconcile_every_s: int | None = None) -> tup
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ckptflow.flows.serve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m ckptflow.flows.serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--config", default=None, help="ckptflow.toml (default: $CKPTFLOW_CONFIG, ./ckptflow.toml)")
     p.add_argument("--reconcile-every", type=int, default=300, help="seconds between reconcile runs")
     p.add_argument("--limit", type=int, default=None, help="concurrent flow runs (default: from config)")
     a = p.parse_args(argv)
     if not os.environ.get("PREFECT_API_URL"):
-        print("PREFECT_API_URL is not set: without it every process starts its own temporary "
-              "server and event triggers never fire. Start one (prefect server start) and export "
-              "PREFECT_API_URL=http://127.0.0.1:4200/api", file=sys.stderr)
+        print(
+            "PREFECT_API_URL is not set: without it every process starts its own temporary "
+            "server and event triggers never fire. Start one (prefect server start) and export "
+            "PREFECT_API_URL=http://127.0.0.1:4200/api",
+            file=sys.stderr,
+        )
         return 2
     from prefect import serve
 

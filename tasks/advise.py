@@ -53,8 +53,7 @@ from ckptflow.trainer.errors import ConfigError
 FORMULAS = {
     "young": "T = sqrt(2*S*M)  (Young 1974, first order)",
     "daly": "T = sqrt(2*S*M)*[1 + sqrt(S/(2M))/3 + (S/(2M))/9] - S  for S < 2M, else M  (Daly 2006)",
-    "exact": "maximise A(T) = T / (M*e^(R/M)*(e^((T+S)/M) - 1))  (Daly 2006 exact model): "
-             "T = M*(1 + W0(-e^(-1-S/M)))",
+    "exact": "maximise A(T) = T / (M*e^(R/M)*(e^((T+S)/M) - 1))  (Daly 2006 exact model): T = M*(1 + W0(-e^(-1-S/M)))",
     "waste_first_order": "W1(T) = S/T + (T/2 + R)/M",
     "waste_exact": "W(T) = 1 - A(T)",
 }
@@ -73,6 +72,7 @@ def _check(**values: float) -> None:
 
 
 # ---- the intervals -------------------------------------------------------------------
+
 
 def young_interval(save_s: float, mtbf_s: float) -> float:
     """Young's first-order optimum ``sqrt(2·S·M)`` (minimises :func:`waste_first_order`)."""
@@ -113,6 +113,7 @@ def exact_interval(save_s: float, mtbf_s: float) -> float:
 
 # ---- the waste of a given interval ---------------------------------------------------
 
+
 def waste_first_order(interval_s: float, save_s: float, restore_s: float, mtbf_s: float) -> float:
     """``S/T + (T/2 + R)/M``: expected fraction of wall time lost (first order; can exceed 1
     for absurd inputs, where the first-order model no longer holds)."""
@@ -139,6 +140,7 @@ def _log_expm1(x: float) -> float:
 
 
 # ---- advice --------------------------------------------------------------------------
+
 
 @dataclass(frozen=True, slots=True)
 class Inputs:
@@ -179,9 +181,13 @@ class Advice:
     best: str = "exact"
 
     def to_json(self) -> dict[str, Any]:
-        return {"inputs": asdict(self.inputs), "formulas": FORMULAS, "best": self.best,
-                "recommended": {k: asdict(r) for k, r in self.recommended.items()},
-                "comparison": [asdict(r) for r in self.comparison]}
+        return {
+            "inputs": asdict(self.inputs),
+            "formulas": FORMULAS,
+            "best": self.best,
+            "recommended": {k: asdict(r) for k, r in self.recommended.items()},
+            "comparison": [asdict(r) for r in self.comparison],
+        }
 
 
 def to_steps(interval_s: float, step_s: float) -> int:
@@ -193,18 +199,25 @@ def to_steps(interval_s: float, step_s: float) -> int:
 def row(label: str, ideal_s: float, inp: Inputs, *, steps: int | None = None) -> Row:
     n = to_steps(ideal_s, inp.step_s) if steps is None else steps
     t = n * inp.step_s
-    return Row(label=label, interval_s=t, steps=n, ideal_s=ideal_s,
-               waste_first_order=waste_first_order(t, inp.save_s, inp.restore_s, inp.mtbf_s),
-               waste_exact=waste_exact(t, inp.save_s, inp.restore_s, inp.mtbf_s),
-               saves_per_hour=3600.0 / (t + inp.save_s), lost_per_failure_s=t / 2.0 + inp.restore_s)
+    return Row(
+        label=label,
+        interval_s=t,
+        steps=n,
+        ideal_s=ideal_s,
+        waste_first_order=waste_first_order(t, inp.save_s, inp.restore_s, inp.mtbf_s),
+        waste_exact=waste_exact(t, inp.save_s, inp.restore_s, inp.mtbf_s),
+        saves_per_hour=3600.0 / (t + inp.save_s),
+        lost_per_failure_s=t / 2.0 + inp.restore_s,
+    )
 
 
-def advise(inp: Inputs, *, current_steps: int | None = None,
-           multiples: Sequence[float] = DEFAULT_MULTIPLES) -> Advice:
+def advise(inp: Inputs, *, current_steps: int | None = None, multiples: Sequence[float] = DEFAULT_MULTIPLES) -> Advice:
     """The three optima in seconds and steps, and a table of intervals around the exact one."""
-    opt = {"young": young_interval(inp.save_s, inp.mtbf_s),
-           "daly": daly_interval(inp.save_s, inp.mtbf_s),
-           "exact": exact_interval(inp.save_s, inp.mtbf_s)}
+    opt = {
+        "young": young_interval(inp.save_s, inp.mtbf_s),
+        "daly": daly_interval(inp.save_s, inp.mtbf_s),
+        "exact": exact_interval(inp.save_s, inp.mtbf_s),
+    }
     rec = {k: row(k, v, inp) for k, v in opt.items()}
     table = [row(f"{m:g}x optimum", m * opt["exact"], inp) for m in multiples]
     if current_steps is not None:
@@ -216,6 +229,7 @@ def advise(inp: Inputs, *, current_steps: int | None = None,
 
 
 # ---- numbers measured from a run ------------------------------------------------------
+
 
 @dataclass(slots=True)
 class RunMeasurement:
@@ -273,7 +287,7 @@ def measure_run(run_dir: str, history_dir: str | None = None) -> RunMeasurement:
     out.saves = len(saves)
     if len(saves) > 1:
         ss = sorted(saves)
-        out.save_every_steps = int(statistics.median(b - a for a, b in zip(ss, ss[1:])))
+        out.save_every_steps = int(statistics.median(b - a for a, b in zip(ss, ss[1:], strict=False)))
     if not rows:
         out.notes.append(f"no {layout.METRICS} in {run_dir}: step time and save stall unknown")
     deltas = step_deltas(rows)
@@ -285,14 +299,18 @@ def measure_run(run_dir: str, history_dir: str | None = None) -> RunMeasurement:
     if out.step_s is not None and after:
         stall = statistics.median(after) - out.step_s
         if stall < MIN_STALL_S:
-            out.notes.append(f"save stall below the step-time noise ({stall * 1e3:.2f} ms); "
-                             f"using {MIN_STALL_S * 1e3:g} ms")
+            out.notes.append(
+                f"save stall below the step-time noise ({stall * 1e3:.2f} ms); using {MIN_STALL_S * 1e3:g} ms"
+            )
         out.save_s = max(stall, MIN_STALL_S)
     elif rows:
         out.notes.append("no step follows a save in metrics.jsonl: save stall unknown")
     wall = {r["step"]: r["wall"] for r in rows if isinstance(r.get("wall"), (int, float))}
-    lat = [float(o["committed_at"]) - wall[o["step"]] for o in outbox
-           if o.get("step") in wall and isinstance(o.get("committed_at"), (int, float))]
+    lat = [
+        float(o["committed_at"]) - wall[o["step"]]
+        for o in outbox
+        if o.get("step") in wall and isinstance(o.get("committed_at"), (int, float))
+    ]
     if lat:
         out.commit_s = max(0.0, statistics.median(lat))
     hdir = history_dir or os.path.join(os.path.dirname(os.path.dirname(run_dir)), "drills")
@@ -313,8 +331,13 @@ def step_deltas(rows: Iterable[dict[str, Any]]) -> dict[int, float]:
     prev: dict[str, Any] | None = None
     for r in rows:
         ok = isinstance(r.get("step"), int) and isinstance(r.get("t"), (int, float))
-        if ok and prev is not None and r.get("attempt", 0) == prev.get("attempt", 0) \
-                and r["step"] == prev["step"] + 1 and r["t"] >= prev["t"]:
+        if (
+            ok
+            and prev is not None
+            and r.get("attempt", 0) == prev.get("attempt", 0)
+            and r["step"] == prev["step"] + 1
+            and r["t"] >= prev["t"]
+        ):
             out[r["step"]] = float(r["t"]) - float(prev["t"])
         prev = r if ok else None
     return out

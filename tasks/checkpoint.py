@@ -13,9 +13,8 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ckptflow.trainer import layout
-
 from ckptflow.tasks.config import CkptflowConfig, load_config
+from ckptflow.trainer import layout
 
 if TYPE_CHECKING:
     from ckptflow.tasks.storage import Tier
@@ -35,8 +34,9 @@ class CheckpointRef:
         layout.step_name(self.step)  # validates the step
 
     @classmethod
-    def of(cls, run_id: str, step: int, *, config: str | None = None, root: str | None = None,
-           uri: str = "") -> CheckpointRef:
+    def of(
+        cls, run_id: str, step: int, *, config: str | None = None, root: str | None = None, uri: str = ""
+    ) -> CheckpointRef:
         """From a commit event's fields: the config file, and the trainer's hot root (the event's
         ``root``, else derived from its ``uri``, else the config's hot tier)."""
         cfg = load_config(config)

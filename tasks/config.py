@@ -21,18 +21,15 @@ commented example is ``deployments/ckptflow.example.toml``.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any
 
 from ckptflow.trainer.errors import ConfigError
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10: the same parser, packaged as tomli
-    import tomli as tomllib  # type: ignore[no-redef]
 
 ENV_VAR = "CKPTFLOW_CONFIG"
 DEFAULT_FILE = "ckptflow.toml"
@@ -41,10 +38,18 @@ CODECS = ("none", "zstd", "bytegroup")
 # S3's storage classes. GLACIER and DEEP_ARCHIVE objects must be restored (hours) before
 # they can be read, so a restore drill against them fails by design; GLACIER_IR reads
 # immediately and is the usual choice for a cold checkpoint tier.
-STORAGE_CLASSES = ("STANDARD", "STANDARD_IA", "ONEZONE_IA", "INTELLIGENT_TIERING", "GLACIER_IR",
-                   "GLACIER", "DEEP_ARCHIVE", "REDUCED_REDUNDANCY", "EXPRESS_ONEZONE")
-_SECRET_KEYS = {"aws_access_key_id", "aws_secret_access_key", "aws_session_token", "key",
-                "secret", "token", "password"}
+STORAGE_CLASSES = (
+    "STANDARD",
+    "STANDARD_IA",
+    "ONEZONE_IA",
+    "INTELLIGENT_TIERING",
+    "GLACIER_IR",
+    "GLACIER",
+    "DEEP_ARCHIVE",
+    "REDUCED_REDUNDANCY",
+    "EXPRESS_ONEZONE",
+)
+_SECRET_KEYS = {"aws_access_key_id", "aws_secret_access_key", "aws_session_token", "key", "secret", "token", "password"}
 
 
 def _fail(field_name: str, value: Any, rule: str) -> ConfigError:
@@ -52,7 +57,7 @@ def _fail(field_name: str, value: Any, rule: str) -> ConfigError:
 
 
 @dataclass(kw_only=True, slots=True)
-class RetentionPolicy:
+class RetentionConfig:
     """What prune keeps on one tier (beyond what it always keeps: latest, the newest
     verified checkpoint, pinned and leased ones). A checkpoint is kept if any rule keeps it."""
 
@@ -81,8 +86,10 @@ class RetentionPolicy:
         if not self.best_metric:
             raise _fail("retention.best_metric", self.best_metric, "must name a metric")
         if not (self.keep_all or self.keep_last or self.keep_every or self.keep_best):
-            raise ConfigError("retention keeps nothing but protected checkpoints: set keep_last, "
-                              "keep_every, keep_best or keep_all = true")
+            raise ConfigError(
+                "retention keeps nothing but protected checkpoints: set keep_last, "
+                "keep_every, keep_best or keep_all = true"
+            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -101,7 +108,7 @@ class TierConfig:
     """Compression level (zstd levels, -7..22); None = the codec's default."""
     codec_threads: int | None = None
     """Compressor threads per file; None = one per CPU core."""
-    retention: RetentionPolicy = field(default_factory=RetentionPolicy)
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
     """What prune keeps on this tier."""
     storage_class: str | None = None
     """S3 storage class of data objects (indexes and markers stay STANDARD so a tier can always
@@ -127,7 +134,7 @@ class TierConfig:
         if not isinstance(self.url, str) or not self.url.strip():
             raise _fail(f"{n}.url", self.url, "must be a local path or s3://bucket/prefix")
         if self.is_s3:
-            bucket = self.url[len("s3://"):].split("/", 1)[0]
+            bucket = self.url[len("s3://") :].split("/", 1)[0]
             if not bucket:
                 raise _fail(f"{n}.url", self.url, "names no bucket (s3://bucket/prefix)")
         if self.codec not in CODECS:
@@ -140,16 +147,18 @@ class TierConfig:
             if not self.is_s3:
                 raise _fail(f"{n}.storage_class", self.storage_class, "applies to s3:// tiers only")
             if self.storage_class not in STORAGE_CLASSES:
-                raise _fail(f"{n}.storage_class", self.storage_class,
-                            f"must be one of {', '.join(STORAGE_CLASSES)}")
+                raise _fail(f"{n}.storage_class", self.storage_class, f"must be one of {', '.join(STORAGE_CLASSES)}")
         if self.endpoint_url is not None and not self.endpoint_url.startswith(("http://", "https://")):
             raise _fail(f"{n}.endpoint_url", "<redacted>", "must be an http(s):// URL")
         if not isinstance(self.max_concurrency, int) or not 1 <= self.max_concurrency <= 256:
             raise _fail(f"{n}.max_concurrency", self.max_concurrency, "must be in [1, 256]")
         # S3 refuses parts under 5 MiB (except the last) and over 5 GiB.
         if not isinstance(self.multipart_chunksize_mb, int) or not 5 <= self.multipart_chunksize_mb <= 5120:
-            raise _fail(f"{n}.multipart_chunksize_mb", self.multipart_chunksize_mb,
-                        "must be in [5, 5120] (S3's part size limits)")
+            raise _fail(
+                f"{n}.multipart_chunksize_mb",
+                self.multipart_chunksize_mb,
+                "must be in [5, 5120] (S3's part size limits)",
+            )
         if self.move_after_hours is not None and self.move_after_hours < 0:
             raise _fail(f"{n}.move_after_hours", self.move_after_hours, "must be >= 0 or absent")
 
@@ -168,28 +177,45 @@ class LifecycleConfig:
 
     sanity_step: bool = True
     """Rebuild the model from the checkpoint and recompute the probe loss."""
-    expectations: bool = True
-    """Check the recorded training metrics against expectations (finite loss, bounded change)."""
+    expectations: bool | None = None
+    """Great Expectations over per-tensor statistics of the *restored* model and optimizer
+    (finite, Adam's second moment >= 0, parameter norm within ``max_norm_change`` of the previous
+    verified checkpoint's). The statistics come from the sanity step, so this needs
+    ``sanity_step``; None (the default) means "whenever the sanity step runs"."""
     max_norm_change: float = 0.5
     """Largest relative change of the parameter norm between consecutive checkpoints."""
 
     def __post_init__(self) -> None:
+        if self.expectations is None:
+            self.expectations = self.sanity_step
+        elif self.expectations and not self.sanity_step:
+            raise ConfigError(
+                "lifecycle.expectations = true needs lifecycle.sanity_step = true: the "
+                "expectations check the statistics of the state the sanity step restores; "
+                "turn the sanity step on, or the expectations off"
+            )
         if not self.max_norm_change > 0:
             raise _fail("lifecycle.max_norm_change", self.max_norm_change, "must be > 0")
 
 
 @dataclass(kw_only=True, slots=True)
 class PrefectConfig:
-    """Where the flows run."""
+    """How the flows run under ``ckptflow serve``."""
 
-    work_pool: str = "ckptflow-pool"
-    """Prefect work pool the deployments use."""
     flow_concurrency: int = 2
-    """Lifecycle flow runs allowed at once."""
+    """Flow runs at once under ``ckptflow serve`` (a work pool's deployments take their own
+    ``concurrency_limit`` from ``deployments/prefect.yaml``)."""
+    work_pool: str | None = None
+    """Ignored; accepted so older config files still load. The work pool is named where the
+    deployments are: ``deployments/prefect.yaml``."""
 
     def __post_init__(self) -> None:
-        if not self.work_pool:
-            raise _fail("prefect.work_pool", self.work_pool, "must name a work pool")
+        if self.work_pool is not None:
+            logging.getLogger(__name__).warning(
+                "[prefect] work_pool = %r is ignored: the work pool is named in deployments/prefect.yaml; "
+                "remove the key",
+                self.work_pool,
+            )
         if self.flow_concurrency < 1:
             raise _fail("prefect.flow_concurrency", self.flow_concurrency, "must be >= 1")
 
@@ -239,8 +265,7 @@ class CkptflowConfig:
             raise _fail("hot.url", self.hot.url, "must be a local folder (the trainer writes there)")
         urls = [t.url.rstrip("/") for t in self.tiers()]
         if len(set(urls)) != len(urls):
-            raise ConfigError(f"{self.source}: two tiers share one url ({urls}); each tier needs "
-                              "its own root")
+            raise ConfigError(f"{self.source}: two tiers share one url ({urls}); each tier needs its own root")
 
     def tiers(self) -> list[TierConfig]:
         """Configured tiers in restore order: hot, warm, cold."""
@@ -249,13 +274,18 @@ class CkptflowConfig:
 
 # ---- loading ----------------------------------------------------------------------
 
+
 def default_config(base_dir: str | None = None) -> CkptflowConfig:
     """The built-in local setup: two folders under ./.ckptflow, no cold tier."""
     base = base_dir or os.getcwd()
     return CkptflowConfig(
         hot=TierConfig(name="hot", url=os.path.join(base, ".ckptflow", "hot")),
-        warm=TierConfig(name="warm", url=os.path.join(base, ".ckptflow", "warm"), codec="bytegroup",
-                        retention=RetentionPolicy(keep_last=10)),
+        warm=TierConfig(
+            name="warm",
+            url=os.path.join(base, ".ckptflow", "warm"),
+            codec="bytegroup",
+            retention=RetentionConfig(keep_last=10),
+        ),
     )
 
 
@@ -268,8 +298,7 @@ def find_config_file(path: str | None = None) -> str | None:
     env = os.environ.get(ENV_VAR)
     if env:
         if not os.path.isfile(env):
-            raise ConfigError(f"config file {env!r} (from ${ENV_VAR}) does not exist; fix or "
-                              f"unset {ENV_VAR}")
+            raise ConfigError(f"config file {env!r} (from ${ENV_VAR}) does not exist; fix or unset {ENV_VAR}")
         return env
     return DEFAULT_FILE if os.path.isfile(DEFAULT_FILE) else None
 
@@ -298,8 +327,7 @@ def parse_config(data: dict[str, Any], *, source: str = BUILTIN) -> CkptflowConf
         for tier in ("hot", "warm", "cold"):
             if tier in data:
                 kw[tier] = _tier(data[tier], tier, source, base)
-        for name, cls in (("lifecycle", LifecycleConfig), ("prefect", PrefectConfig),
-                          ("drill", DrillConfig)):
+        for name, cls in (("lifecycle", LifecycleConfig), ("prefect", PrefectConfig), ("drill", DrillConfig)):
             if name in data:
                 kw[name] = _build(cls, data[name], name, source)
         return CkptflowConfig(**kw)
@@ -314,7 +342,7 @@ def _tier(table: Any, name: str, source: str, base: str) -> TierConfig:
     table = dict(table)
     table.setdefault("name", name)
     if "retention" in table:
-        table["retention"] = _build(RetentionPolicy, table["retention"], f"{name}.retention", source)
+        table["retention"] = _build(RetentionConfig, table["retention"], f"{name}.retention", source)
     url = table.get("url")
     if isinstance(url, str) and "://" not in url:
         table["url"] = os.path.normpath(os.path.join(base, os.path.expanduser(url)))
@@ -326,10 +354,15 @@ def _check_keys(table: dict[str, Any], known: set[str], where: str, source: str)
         if key in known:
             continue
         full = f"{where}.{key}" if where else key
-        hint = (" — credentials never go in the config file; use the AWS chain (environment, "
-                "~/.aws profile, instance role)") if key.lower() in _SECRET_KEYS else ""
-        raise ConfigError(f"{source}: unknown key {full!r}{hint} (known here: "
-                          f"{', '.join(sorted(known))})")
+        hint = (
+            (
+                " — credentials never go in the config file; use the AWS chain (environment, "
+                "~/.aws profile, instance role)"
+            )
+            if key.lower() in _SECRET_KEYS
+            else ""
+        )
+        raise ConfigError(f"{source}: unknown key {full!r}{hint} (known here: {', '.join(sorted(known))})")
 
 
 def _build(cls: type, table: Any, where: str, source: str) -> Any:
@@ -341,8 +374,9 @@ def _build(cls: type, table: Any, where: str, source: str) -> Any:
     _check_keys(table, fields, where, source)
     for key, value in table.items():
         if not _type_ok(value, hints[key]):
-            raise ConfigError(f"{source}: {where}.{key} = {value!r} has the wrong type "
-                              f"(expected {_type_name(hints[key])})")
+            raise ConfigError(
+                f"{source}: {where}.{key} = {value!r} has the wrong type (expected {_type_name(hints[key])})"
+            )
     try:
         return cls(**table)
     except ConfigError as e:

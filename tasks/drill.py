@@ -75,8 +75,15 @@ def other_world_size(saved: int, preferred: int | None) -> int:
     return 1 if saved != 1 else 2
 
 
-def drill_one(tier: Tier, run_id: str, step: int, *, world_size: int | None = None,
-              scratch_root: str | None = None, threads: int | None = None) -> DrillResult:
+def drill_one(
+    tier: Tier,
+    run_id: str,
+    step: int,
+    *,
+    world_size: int | None = None,
+    scratch_root: str | None = None,
+    threads: int | None = None,
+) -> DrillResult:
     """Restore ``run_id``/``step`` from ``tier`` into scratch and prove it. Never raises for a
     bad checkpoint: the result says what failed."""
     res = DrillResult(run_id=run_id, step=step, tier=tier.name, uri=tier.url_for(run_id, step))
@@ -107,9 +114,11 @@ def drill_one(tier: Tier, run_id: str, step: int, *, world_size: int | None = No
         res.probe_match = san.get("probe_match")
         res.lr_recorded, res.lr_restored = san.get("lr_recorded"), san.get("lr_restored")
         if not san.get("ok"):
-            why = san.get("problems") or [f"probe loss {res.probe_loss_restored} vs recorded "
-                                          f"{res.probe_loss_recorded} ({res.probe_match}); lr "
-                                          f"{res.lr_restored} vs {res.lr_recorded}"]
+            why = san.get("problems") or [
+                f"probe loss {res.probe_loss_restored} vs recorded "
+                f"{res.probe_loss_recorded} ({res.probe_match}); lr "
+                f"{res.lr_restored} vs {res.lr_recorded}"
+            ]
             res.failure = f"sanity step at world size {res.world_size}: {why[0]}"[:2000]
             return res
         res.ok = True
@@ -124,6 +133,7 @@ def drill_one(tier: Tier, run_id: str, step: int, *, world_size: int | None = No
 
 
 # ---- history ---------------------------------------------------------------------------
+
 
 def history_path(history_dir: str, run_id: str) -> str:
     return os.path.join(history_dir, f"{layout.check_run_id(run_id)}.jsonl")

@@ -48,21 +48,37 @@ def build_suite(max_norm_change: float):
 
     E = gx.expectations
     suite = gx.ExpectationSuite(name="ckptflow-tensor-stats")
-    suite.add_expectation(E.ExpectColumnValuesToBeBetween(column="finite_frac", min_value=1.0, max_value=1.0,
-                                                          meta={"why": "every value finite (no NaN/inf)"}))
-    suite.add_expectation(E.ExpectColumnValuesToBeBetween(
-        column="min", min_value=0.0, row_condition=Column("kind") == "exp_avg_sq",
-        meta={"why": "Adam second moments are squares: never negative"}))
-    suite.add_expectation(E.ExpectColumnValuesToBeBetween(
-        column="norm_change", max_value=max_norm_change, row_condition=Column("kind") == "param", mostly=1.0,
-        meta={"why": "parameter norms move by at most the bound between checkpoints"}))
-    suite.add_expectation(E.ExpectColumnValuesToBeBetween(column="step_delta", min_value=1,
-                                                          meta={"why": "the step moves forward"}))
+    suite.add_expectation(
+        E.ExpectColumnValuesToBeBetween(
+            column="finite_frac", min_value=1.0, max_value=1.0, meta={"why": "every value finite (no NaN/inf)"}
+        )
+    )
+    suite.add_expectation(
+        E.ExpectColumnValuesToBeBetween(
+            column="min",
+            min_value=0.0,
+            row_condition=Column("kind") == "exp_avg_sq",
+            meta={"why": "Adam second moments are squares: never negative"},
+        )
+    )
+    suite.add_expectation(
+        E.ExpectColumnValuesToBeBetween(
+            column="norm_change",
+            max_value=max_norm_change,
+            row_condition=Column("kind") == "param",
+            mostly=1.0,
+            meta={"why": "parameter norms move by at most the bound between checkpoints"},
+        )
+    )
+    suite.add_expectation(
+        E.ExpectColumnValuesToBeBetween(column="step_delta", min_value=1, meta={"why": "the step moves forward"})
+    )
     return suite
 
 
-def validate(stats: list[dict], prev_stats: list[dict] | None, *, step: int, prev_step: int | None,
-             max_norm_change: float) -> ExpectationReport:
+def validate(
+    stats: list[dict], prev_stats: list[dict] | None, *, step: int, prev_step: int | None, max_norm_change: float
+) -> ExpectationReport:
     import great_expectations as gx
 
     df = stats_frame(stats, prev_stats, step=step, prev_step=prev_step)
@@ -71,8 +87,12 @@ def validate(stats: list[dict], prev_stats: list[dict] | None, *, step: int, pre
         ctx.variables.progress_bars = {"globally": False}
     except Exception:  # older/newer GX: cosmetic only
         pass
-    batch = (ctx.data_sources.add_pandas("ckptflow").add_dataframe_asset("tensor_stats")
-             .add_batch_definition_whole_dataframe("checkpoint").get_batch(batch_parameters={"dataframe": df}))
+    batch = (
+        ctx.data_sources.add_pandas("ckptflow")
+        .add_dataframe_asset("tensor_stats")
+        .add_batch_definition_whole_dataframe("checkpoint")
+        .get_batch(batch_parameters={"dataframe": df})
+    )
     res = batch.validate(build_suite(max_norm_change))
     d = res.to_json_dict()
     failures = []
@@ -83,6 +103,8 @@ def validate(stats: list[dict], prev_stats: list[dict] | None, *, step: int, pre
             col = kw.get("column")
             bad = r.get("result", {}).get("partial_unexpected_index_list") or []
             names = [df.loc[i, "name"] for i in bad[:5] if i in df.index]
-            failures.append(f"{cfg.get('type')} on {col} ({(cfg.get('meta') or {}).get('why', '')}): "
-                            f"{r.get('result', {}).get('unexpected_count', '?')} tensor(s) {names}")
+            failures.append(
+                f"{cfg.get('type')} on {col} ({(cfg.get('meta') or {}).get('why', '')}): "
+                f"{r.get('result', {}).get('unexpected_count', '?')} tensor(s) {names}"
+            )
     return ExpectationReport(bool(d["success"]), failures, d)

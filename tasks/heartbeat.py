@@ -15,9 +15,8 @@ import threading
 import time
 from typing import Any
 
-from ckptflow.trainer import layout
-
 from ckptflow.tasks.records import read_side_file, write_side_file
+from ckptflow.trainer import layout
 
 HEARTBEAT = layout.HEARTBEAT
 BEAT_EVERY_S = 10.0
@@ -36,8 +35,9 @@ def read_heartbeat(run_path: str, step: int) -> dict[str, Any] | None:
     return read_side_file(run_path, step, HEARTBEAT)
 
 
-def heartbeat_alive(beat: dict[str, Any] | None, *, now: float | None = None,
-                    stale_after_s: float = STALE_AFTER_S) -> bool:
+def heartbeat_alive(
+    beat: dict[str, Any] | None, *, now: float | None = None, stale_after_s: float = STALE_AFTER_S
+) -> bool:
     if not beat:
         return False
     if beat.get("host") == socket.gethostname():
@@ -66,7 +66,7 @@ class Heartbeat:
         while not self._stop.wait(BEAT_EVERY_S):
             self._beat()
 
-    def __enter__(self) -> "Heartbeat":
+    def __enter__(self) -> Heartbeat:
         self._beat()
         self._thread.start()
         return self

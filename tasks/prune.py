@@ -15,19 +15,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ckptflow.trainer import faults, layout
-from ckptflow.trainer.errors import CkptflowError
-
 from ckptflow.tasks.retention import CheckpointInfo, Policy, plan
 from ckptflow.tasks.stages import ARCHIVE, PROMOTE, VERIFY
 from ckptflow.tasks.storage.leases import leased_steps
 from ckptflow.tasks.storage.tier import Tier
+from ckptflow.trainer import faults, layout
+from ckptflow.trainer.errors import CkptflowError
 
 if TYPE_CHECKING:
     from ckptflow.tasks.config import CkptflowConfig
 
 log = logging.getLogger(__name__)
-
 
 
 @dataclass(slots=True)
@@ -56,8 +54,9 @@ class PruneReport:
         return out
 
 
-def checkpoint_infos(tier: Tier, run_id: str, *, needs_metrics: bool = False,
-                     verified_steps: Iterable[int] | None = None) -> list[CheckpointInfo]:
+def checkpoint_infos(
+    tier: Tier, run_id: str, *, needs_metrics: bool = False, verified_steps: Iterable[int] | None = None
+) -> list[CheckpointInfo]:
     """The facts retention needs about every committed checkpoint of a run on a tier.
 
     ``verified_steps`` overrides the default, which is: the verify stage left its record
@@ -74,30 +73,46 @@ def checkpoint_infos(tier: Tier, run_id: str, *, needs_metrics: bool = False,
         if given is not None:
             verified = s in given
         else:
-            verified = (tier.has_stage_record(run_id, s, VERIFY.record)
-                        or tier.exists(tier.url_for(run_id, s, layout.TIER_MANIFEST)))
+            verified = tier.has_stage_record(run_id, s, VERIFY.record) or tier.exists(
+                tier.url_for(run_id, s, layout.TIER_MANIFEST)
+            )
         metrics: dict[str, float] = {}
         if needs_metrics:
             try:
-                metrics = {k: v for k, v in tier.read_manifest(run_id, s).training.items()
-                           if isinstance(v, (int, float))}
+                metrics = {
+                    k: v for k, v in tier.read_manifest(run_id, s).training.items() if isinstance(v, (int, float))
+                }
             except (CkptflowError, OSError) as e:  # unranked, not fatal: other rules still apply
                 log.warning("no metrics for %s (%s)", tier.url_for(run_id, s), e)
-        out.append(CheckpointInfo(step=s, metrics=metrics, pinned=s in pinned, verified=verified,
-                                  quarantined=tier.is_quarantined(run_id, s), latest=s == latest,
-                                  leased=s in leased))
+        out.append(
+            CheckpointInfo(
+                step=s,
+                metrics=metrics,
+                pinned=s in pinned,
+                verified=verified,
+                quarantined=tier.is_quarantined(run_id, s),
+                latest=s == latest,
+                leased=s in leased,
+            )
+        )
     return out
 
 
-def prune(tier: Tier, run_id: str, policy: Policy, *, protected_steps: Iterable[int] = (),
-          verified_steps: Iterable[int] | None = None, dry_run: bool = False) -> PruneReport:
+def prune(
+    tier: Tier,
+    run_id: str,
+    policy: Policy,
+    *,
+    protected_steps: Iterable[int] = (),
+    verified_steps: Iterable[int] | None = None,
+    dry_run: bool = False,
+) -> PruneReport:
     """Delete the checkpoints of ``run_id`` on ``tier`` that ``policy`` and the protections
     do not keep. ``protected_steps``: steps the caller needs kept (e.g. what another tier's
     ``latest`` names, a checkpoint not yet archived)."""
     t0 = time.perf_counter()
     layout.check_run_id(run_id)
-    infos = checkpoint_infos(tier, run_id, needs_metrics=policy.needs_metrics,
-                             verified_steps=verified_steps)
+    infos = checkpoint_infos(tier, run_id, needs_metrics=policy.needs_metrics, verified_steps=verified_steps)
     p = plan(policy, infos, protected_steps=protected_steps)
     report = PruneReport(tier=tier.name, run_id=run_id, dry_run=dry_run, kept=p.keep, planned=p.delete)
     for step in p.delete:
@@ -130,7 +145,8 @@ def prune(tier: Tier, run_id: str, policy: Policy, *, protected_steps: Iterable[
 
 # ---- the lifecycle's protections, shared by the prune stage and ``ckptflow prune`` -------
 
-def unsafe_on_hot(cfg: "CkptflowConfig", run_path: str, steps: Iterable[int]) -> set[int]:
+
+def unsafe_on_hot(cfg: CkptflowConfig, run_path: str, steps: Iterable[int]) -> set[int]:
     """Hot checkpoints that exist nowhere else yet: prune must not take the only copy.
 
     A checkpoint is safe to drop from hot once the furthest configured tier has it
@@ -143,12 +159,17 @@ def unsafe_on_hot(cfg: "CkptflowConfig", run_path: str, steps: Iterable[int]) ->
     need = ARCHIVE.record if cfg.cold is not None else (PROMOTE.record if cfg.warm is not None else None)
     if need is None:
         return set()
-    return {s for s in steps if records.read_record(run_path, s, need) is None
-            and records.read_record(run_path, s, records.QUARANTINED) is None}
+    return {
+        s
+        for s in steps
+        if records.read_record(run_path, s, need) is None
+        and records.read_record(run_path, s, records.QUARANTINED) is None
+    }
 
 
-def prune_run(cfg: "CkptflowConfig", run_id: str, *, tiers: Iterable[str] | None = None,
-              dry_run: bool = False) -> dict[str, PruneReport]:
+def prune_run(
+    cfg: CkptflowConfig, run_id: str, *, tiers: Iterable[str] | None = None, dry_run: bool = False
+) -> dict[str, PruneReport]:
     """Apply each tier's retention policy to one run, with the lifecycle's protections.
 
     On hot: the steps not yet on the furthest tier are protected (:func:`unsafe_on_hot`) and
@@ -160,8 +181,9 @@ def prune_run(cfg: "CkptflowConfig", run_id: str, *, tiers: Iterable[str] | None
     from ckptflow.tasks.retention import build_policy
 
     run_path = layout.run_dir(cfg.hot.url, run_id)
-    verified = [s for s in records.steps_with_records(run_path)
-                if records.read_record(run_path, s, VERIFY.record) is not None]
+    verified = [
+        s for s in records.steps_with_records(run_path) if records.read_record(run_path, s, VERIFY.record) is not None
+    ]
     wanted = set(tiers) if tiers is not None else None
     out: dict[str, PruneReport] = {}
     for tcfg in cfg.tiers():
@@ -172,6 +194,12 @@ def prune_run(cfg: "CkptflowConfig", run_id: str, *, tiers: Iterable[str] | None
         if tcfg.name == "hot":
             protected = unsafe_on_hot(cfg, run_path, tier.committed_steps(run_id))
         # The newest checkpoint that passed verification stays on every tier that has it.
-        out[tcfg.name] = prune(tier, run_id, build_policy(tcfg.retention), protected_steps=protected,
-                               verified_steps=verified if tcfg.name == "hot" else None, dry_run=dry_run)
+        out[tcfg.name] = prune(
+            tier,
+            run_id,
+            build_policy(tcfg.retention),
+            protected_steps=protected,
+            verified_steps=verified if tcfg.name == "hot" else None,
+            dry_run=dry_run,
+        )
     return out

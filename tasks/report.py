@@ -34,8 +34,9 @@ def failures_and_resumes(rows: list[dict[str, Any]]) -> list[tuple[int, int]]:
     return out
 
 
-def plot_drill(path: str, *, run_id: str, rows: list[dict[str, Any]], checkpoint_steps: list[int],
-               drills: list[dict[str, Any]]) -> str:
+def plot_drill(
+    path: str, *, run_id: str, rows: list[dict[str, Any]], checkpoint_steps: list[int], drills: list[dict[str, Any]]
+) -> str:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -53,16 +54,32 @@ def plot_drill(path: str, *, run_id: str, rows: list[dict[str, Any]], checkpoint
         ax.axvline(resumed - 0.5, color="#cc0000", lw=1.5, ls="--", label="resumed from checkpoint" if i == 0 else None)
     for i, d in enumerate(drills):
         if d.get("probe_loss_recorded") is not None:
-            ax.scatter([d["step"]], [d["probe_loss_recorded"]], marker="o", s=70, facecolors="none",
-                       edgecolors="#75507b", label="probe loss at save" if i == 0 else None, zorder=5)
+            ax.scatter(
+                [d["step"]],
+                [d["probe_loss_recorded"]],
+                marker="o",
+                s=70,
+                facecolors="none",
+                edgecolors="#75507b",
+                label="probe loss at save" if i == 0 else None,
+                zorder=5,
+            )
         if d.get("probe_loss_restored") is not None:
-            ax.scatter([d["step"]], [d["probe_loss_restored"]], marker="x", s=60, color="#f57900",
-                       label="probe loss restored by drill" if i == 0 else None, zorder=6)
+            ax.scatter(
+                [d["step"]],
+                [d["probe_loss_restored"]],
+                marker="x",
+                s=60,
+                color="#f57900",
+                label="probe loss restored by drill" if i == 0 else None,
+                zorder=6,
+            )
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ok = all(d.get("ok") for d in drills) if drills else False
-    ax.set_title(f"{run_id}: restore drill {'PASSED' if ok else 'FAILED'} "
-                 f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})")
+    ax.set_title(
+        f"{run_id}: restore drill {'PASSED' if ok else 'FAILED'} ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})"
+    )
     ax.legend(loc="upper right", fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -72,32 +89,47 @@ def plot_drill(path: str, *, run_id: str, rows: list[dict[str, Any]], checkpoint
     return path
 
 
-def drill_markdown(run_id: str, results: list[dict[str, Any]], history: list[dict[str, Any]],
-                   plot_path: str | None) -> str:
+def drill_markdown(
+    run_id: str, results: list[dict[str, Any]], history: list[dict[str, Any]], plot_path: str | None
+) -> str:
     lines = [f"# Restore drill: {run_id}", ""]
     for r in results:
         verdict = "PASSED" if r["ok"] else f"FAILED — {r['failure']}"
         s = r.get("seconds", {})
-        lines += [f"## {layout.step_name(r['step'])} from {r['tier']}: {verdict}", "",
-                  f"- object: `{r['uri']}`",
-                  f"- world size: saved {r.get('saved_world_size')}, restored at {r.get('world_size')}",
-                  f"- bytes: {r.get('bytes_stored', 0):,} stored, {r.get('bytes_raw', 0):,} raw",
-                  f"- probe loss: recorded {r.get('probe_loss_recorded')}, restored "
-                  f"{r.get('probe_loss_restored')} ({r.get('probe_match')}); lr {r.get('lr_restored')} vs "
-                  f"{r.get('lr_recorded')}", "",
-                  "| phase | seconds |", "|---|---|"]
-        lines += [f"| {k} | {s[k]:.2f} |" for k in ("download", "decompress", "verify", "sanity", "load", "total")
-                  if k in s]
+        lines += [
+            f"## {layout.step_name(r['step'])} from {r['tier']}: {verdict}",
+            "",
+            f"- object: `{r['uri']}`",
+            f"- world size: saved {r.get('saved_world_size')}, restored at {r.get('world_size')}",
+            f"- bytes: {r.get('bytes_stored', 0):,} stored, {r.get('bytes_raw', 0):,} raw",
+            f"- probe loss: recorded {r.get('probe_loss_recorded')}, restored "
+            f"{r.get('probe_loss_restored')} ({r.get('probe_match')}); lr {r.get('lr_restored')} vs "
+            f"{r.get('lr_recorded')}",
+            "",
+            "| phase | seconds |",
+            "|---|---|",
+        ]
+        lines += [
+            f"| {k} | {s[k]:.2f} |" for k in ("download", "decompress", "verify", "sanity", "load", "total") if k in s
+        ]
         lines.append("")
     earlier = [h for h in history if h.get("ok")][-10:]
     if earlier:
         rto = [h["recovery_seconds"] for h in earlier]
-        lines += ["## Trend (earlier passing drills)", "",
-                  f"recovery time over the last {len(rto)}: min {min(rto):.1f} s, median "
-                  f"{sorted(rto)[len(rto) // 2]:.1f} s, max {max(rto):.1f} s", "",
-                  "| when (UTC) | step | recovery s | MB stored |", "|---|---|---|---|"]
-        lines += [f"| {time.strftime('%Y-%m-%d %H:%M', time.gmtime(h['started_at']))} | {h['step']} | "
-                  f"{h['recovery_seconds']:.1f} | {h.get('bytes_stored', 0) / 1e6:.1f} |" for h in earlier]
+        lines += [
+            "## Trend (earlier passing drills)",
+            "",
+            f"recovery time over the last {len(rto)}: min {min(rto):.1f} s, median "
+            f"{sorted(rto)[len(rto) // 2]:.1f} s, max {max(rto):.1f} s",
+            "",
+            "| when (UTC) | step | recovery s | MB stored |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {time.strftime('%Y-%m-%d %H:%M', time.gmtime(h['started_at']))} | {h['step']} | "
+            f"{h['recovery_seconds']:.1f} | {h.get('bytes_stored', 0) / 1e6:.1f} |"
+            for h in earlier
+        ]
     if plot_path:
         lines += ["", f"Loss curve with checkpoints, resume points and the restored probe loss: `{plot_path}`"]
     return "\n".join(lines)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from ckptflow.trainer.errors import ConfigError
 
 if TYPE_CHECKING:
-    from ckptflow.tasks.config import RetentionPolicy
+    from ckptflow.tasks.config import RetentionConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,10 +51,10 @@ class Policy:
         """Steps this policy keeps, each with a short reason."""
         raise NotImplementedError
 
-    def __or__(self, other: "Policy") -> "AnyOf":
+    def __or__(self, other: Policy) -> AnyOf:
         return AnyOf(self, other)
 
-    def __and__(self, other: "Policy") -> "AllOf":
+    def __and__(self, other: Policy) -> AllOf:
         return AllOf(self, other)
 
 
@@ -66,7 +66,7 @@ class KeepLastN(Policy):
 
     def keep(self, ckpts: Sequence[CheckpointInfo]) -> dict[int, str]:
         newest = sorted((c.step for c in ckpts), reverse=True)[: self.n]
-        return {s: f"one of the last {self.n}" for s in newest}
+        return dict.fromkeys(newest, f"one of the last {self.n}")
 
     def __repr__(self) -> str:
         return f"KeepLastN({self.n})"
@@ -207,11 +207,10 @@ def plan(policy: Policy, ckpts: Sequence[CheckpointInfo], *, protected_steps: It
     keep = protections(ckpts, protected_steps)
     for s, why in policy.keep([c for c in ckpts if not c.quarantined]).items():
         keep.setdefault(s, []).append(why)
-    return RetentionPlan(keep={s: keep[s] for s in sorted(keep)},
-                         delete=sorted(s for s in steps if s not in keep))
+    return RetentionPlan(keep={s: keep[s] for s in sorted(keep)}, delete=sorted(s for s in steps if s not in keep))
 
 
-def build_policy(cfg: "RetentionPolicy") -> Policy:
+def build_policy(cfg: RetentionConfig) -> Policy:
     """The policy a tier's ``retention`` config describes (any rule keeps)."""
     rules: list[Policy] = []
     if cfg.keep_all:

@@ -28,10 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptflow.trainer import events, faults
-
 from ckptflow.tasks import records
 from ckptflow.tasks.checkpoint import CheckpointRef
+from ckptflow.trainer import events, faults
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +107,7 @@ def run_stage(stage: Stage, ref: CheckpointRef) -> StageRecord | None:
 
 # ---- the actions --------------------------------------------------------------------------
 
+
 def fault_hook(step: int) -> Callable[[str], None]:
     """Route a transfer's phase callbacks to ``CKPTFLOW_FAULT`` (chaos drills, tests).
 
@@ -133,8 +133,7 @@ def _verify(ref: CheckpointRef) -> Done:
     from ckptflow.tasks.verify import verify
 
     lc = ref.cfg.lifecycle
-    out = verify(ref, sanity_step=lc.sanity_step, expectations=lc.expectations,
-                 max_norm_change=lc.max_norm_change)
+    out = verify(ref, sanity_step=lc.sanity_step, expectations=lc.expectations, max_norm_change=lc.max_norm_change)
     return Done(out.to_dict(), ok=out.ok)
 
 
@@ -142,8 +141,9 @@ def _compress(ref: CheckpointRef) -> Done:
     from ckptflow.tasks.transfer import compress
 
     warm = ref.tier("warm")
-    res = compress(ref.tier("hot"), warm, ref.run_id, ref.step, threads=warm.config.codec_threads,
-                   fault=fault_hook(ref.step))
+    res = compress(
+        ref.tier("hot"), warm, ref.run_id, ref.step, threads=warm.config.codec_threads, fault=fault_hook(ref.step)
+    )
     return Done(_body(res, tier="warm"))
 
 
@@ -153,8 +153,7 @@ def _promote(ref: CheckpointRef) -> Done:
 
     hot, warm = ref.tier("hot"), ref.tier("warm")
     with acquire_lease(hot, ref.run_id, ref.step, holder="promote", ttl_s=3600):
-        res = promote(hot, warm, ref.run_id, ref.step, threads=warm.config.codec_threads,
-                      fault=fault_hook(ref.step))
+        res = promote(hot, warm, ref.run_id, ref.step, threads=warm.config.codec_threads, fault=fault_hook(ref.step))
     return Done(_body(res, tier="warm"))
 
 
@@ -164,8 +163,9 @@ def _archive(ref: CheckpointRef) -> Done:
 
     # From warm when it has the checkpoint (its stored form is reused as-is when the
     # codecs match, and the hot NVMe is left to training), else straight from hot.
-    src = ref.tier("warm") if ref.has("warm") and ref.tier("warm").is_committed(ref.run_id, ref.step) \
-        else ref.tier("hot")
+    src = (
+        ref.tier("warm") if ref.has("warm") and ref.tier("warm").is_committed(ref.run_id, ref.step) else ref.tier("hot")
+    )
     with acquire_lease(src, ref.run_id, ref.step, holder="archive", ttl_s=6 * 3600):
         res = archive(src, ref.tier("cold"), ref.run_id, ref.step, fault=fault_hook(ref.step))
     return Done(_body(res, tier="cold", source=src.name))
@@ -177,8 +177,12 @@ def _prune(ref: CheckpointRef) -> Done:
     t0 = time.perf_counter()
     tiers = {}
     for name, rep in prune_run(ref.cfg, ref.run_id).items():
-        tiers[name] = {"kept": {str(k): v for k, v in rep.kept.items()}, "deleted": rep.deleted,
-                       "planned": rep.planned, "errors": {str(k): v for k, v in rep.errors.items()}}
+        tiers[name] = {
+            "kept": {str(k): v for k, v in rep.kept.items()},
+            "deleted": rep.deleted,
+            "planned": rep.planned,
+            "errors": {str(k): v for k, v in rep.errors.items()},
+        }
     return Done({"tiers": tiers, "dry_run": False, "seconds": time.perf_counter() - t0})
 
 

@@ -55,8 +55,15 @@ def run_sanity(ckpt_dir: str, *, nproc: int = 1, timeout_s: float = 900, stats: 
         out = os.path.join(tmp, "result.json")
         mod = ["-m", SANITY_MODULE, ckpt_dir, "--out", out, *(["--stats"] if stats else [])]
         if nproc > 1:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={nproc}", "--max-restarts=0", *mod]
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={nproc}",
+                "--max-restarts=0",
+                *mod,
+            ]
         else:
             cmd = [sys.executable, *mod]
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
@@ -82,8 +89,9 @@ def _previous_verified(run_path: str, step: int) -> tuple[int | None, list[dict]
     return None, None
 
 
-def verify(ref: CheckpointRef, *, sanity_step: bool = True, expectations: bool = True,
-           max_norm_change: float = 0.5) -> VerifyOutcome:
+def verify(
+    ref: CheckpointRef, *, sanity_step: bool = True, expectations: bool = True, max_norm_change: float = 0.5
+) -> VerifyOutcome:
     """Integrity, then the sanity step, then the expectations, of the checkpoint on hot; the
     first check that fails decides (the rest are not run)."""
     run_path, step, run_id = ref.run_path, ref.step, ref.run_id
@@ -92,14 +100,20 @@ def verify(ref: CheckpointRef, *, sanity_step: bool = True, expectations: bool =
     if not os.path.isdir(ckpt):
         # Not a bad checkpoint but no checkpoint: a stale event, or pruned before its
         # lifecycle ran. Quarantining a name would be misleading; fail loudly instead.
-        raise CheckpointNotFoundError(f"{ckpt} does not exist (pruned, or the event is stale); "
-                                      "nothing to verify — check the run's committed steps")
+        raise CheckpointNotFoundError(
+            f"{ckpt} does not exist (pruned, or the event is stale); "
+            "nothing to verify — check the run's committed steps"
+        )
     out = VerifyOutcome(run_id, step, False)
 
     integ = verify_checkpoint(ckpt, expect=(run_id, step))
     faults.maybe_crash("verify.integrity", step)
-    out.integrity = {"ok": integ.ok, "bytes": integ.bytes_checked, "seconds": integ.seconds,
-                     "problems": [str(p) for p in integ.problems]}
+    out.integrity = {
+        "ok": integ.ok,
+        "bytes": integ.bytes_checked,
+        "seconds": integ.seconds,
+        "problems": [str(p) for p in integ.problems],
+    }
     if not integ.ok:
         out.reasons = [f"integrity: {p}" for p in integ.problems]
         return _finish(out, t0)
@@ -113,7 +127,8 @@ def verify(ref: CheckpointRef, *, sanity_step: bool = True, expectations: bool =
         if not san.get("ok"):
             why = san.get("problems") or [
                 f"probe loss {san.get('probe_loss_restored')} != recorded {san.get('probe_loss_recorded')} "
-                f"({san.get('probe_match')}); lr {san.get('lr_restored')} vs {san.get('lr_recorded')}"]
+                f"({san.get('probe_match')}); lr {san.get('lr_restored')} vs {san.get('lr_recorded')}"
+            ]
             out.reasons = [f"sanity: {w}" for w in why]
             return _finish(out, t0)
 
@@ -122,9 +137,12 @@ def verify(ref: CheckpointRef, *, sanity_step: bool = True, expectations: bool =
 
         prev_step, prev_stats = _previous_verified(run_path, step)
         rep = validate(stats, prev_stats, step=step, prev_step=prev_step, max_norm_change=max_norm_change)
-        out.expectations = {"success": rep.success, "failures": rep.failures, "previous_step": prev_step,
-                            "result_file": records.write_side_file(run_path, step, layout.EXPECTATIONS,
-                                                                   rep.result)}
+        out.expectations = {
+            "success": rep.success,
+            "failures": rep.failures,
+            "previous_step": prev_step,
+            "result_file": records.write_side_file(run_path, step, layout.EXPECTATIONS, rep.result),
+        }
         if not rep.success:
             out.reasons = [f"expectations: {f}" for f in rep.failures]
             return _finish(out, t0)

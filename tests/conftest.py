@@ -24,8 +24,11 @@ def s3_endpoint():
     """URL of a moto S3 server process; credentials are set in the environment."""
     with MotoServer() as srv:
         old = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
-        os.environ.update(AWS_ACCESS_KEY_ID="testing-key-id", AWS_SECRET_ACCESS_KEY="testing-secret-key",
-                          AWS_DEFAULT_REGION="us-east-1")
+        os.environ.update(
+            AWS_ACCESS_KEY_ID="testing-key-id",
+            AWS_SECRET_ACCESS_KEY="testing-secret-key",
+            AWS_DEFAULT_REGION="us-east-1",
+        )
         yield srv.url
         for k, v in old.items():
             if v is None:

@@ -7,9 +7,9 @@ here is only what tests need on top of it.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,20 +27,34 @@ def torchrun_env(extra: dict | None = None) -> dict:
     return child_env(extra)
 
 
-def run_torchrun(args: list[str], *, nproc: int = 2, max_restarts: int = 0, env: dict | None = None,
-                 module: str = "ckptflow.trainer.train", timeout: float = 300) -> subprocess.CompletedProcess:
+def run_torchrun(
+    args: list[str],
+    *,
+    nproc: int = 2,
+    max_restarts: int = 0,
+    env: dict | None = None,
+    module: str = "ckptflow.trainer.train",
+    timeout: float = 300,
+) -> subprocess.CompletedProcess:
     cmd = torchrun(module, args, nproc=nproc, max_restarts=max_restarts)
     return subprocess.run(cmd, cwd=REPO, env=torchrun_env(env), capture_output=True, text=True, timeout=timeout)
 
 
-def make_run(root: str, run_id: str = "r1", *, max_steps: int = 6, save_every: int = 2,
-             nproc: int = 1, extra_args: list[str] | None = None, env: dict | None = None) -> str:
+def make_run(
+    root: str,
+    run_id: str = "r1",
+    *,
+    max_steps: int = 6,
+    save_every: int = 2,
+    nproc: int = 1,
+    extra_args: list[str] | None = None,
+    env: dict | None = None,
+) -> str:
     """Train the tiny reference model and commit checkpoints; returns the run dir.
 
     ``nproc=1`` runs a plain process (no torchrun, ~5 s); more launches torchrun.
     """
-    cmd = reference_job(str(root), run_id, max_steps=max_steps, save_every=save_every, nproc=nproc,
-                        extra=extra_args)
+    cmd = reference_job(str(root), run_id, max_steps=max_steps, save_every=save_every, nproc=nproc, extra=extra_args)
     r = subprocess.run(cmd, cwd=REPO, env=torchrun_env(env), capture_output=True, text=True, timeout=300)
     if r.returncode != 0:
         raise AssertionError(f"training failed (rc={r.returncode}):\n{r.stderr[-4000:]}")
@@ -76,8 +90,8 @@ def flip_byte(path: str, offset: int | None = None) -> None:
 
 # ---- configs -------------------------------------------------------------------------
 
-def write_config(tmp_path, hot, s3_endpoint, bucket, *, hot_keep=2, warm_keep=2, cold_keep=3,
-                 sanity=True) -> str:
+
+def write_config(tmp_path, hot, s3_endpoint, bucket, *, hot_keep=2, warm_keep=2, cold_keep=3, sanity=True) -> str:
     cfg = tmp_path / "ckptflow.toml"
     cfg.write_text(f"""
 [hot]
@@ -85,7 +99,7 @@ url = "{hot}"
 [hot.retention]
 keep_last = {hot_keep}
 [warm]
-url = "{tmp_path / 'warm'}"
+url = "{tmp_path / "warm"}"
 codec = "zstd"
 [warm.retention]
 keep_last = {warm_keep}
@@ -103,6 +117,7 @@ sanity_step = {str(sanity).lower()}
 
 
 # ---- the CLI in this process -----------------------------------------------------------
+
 
 @dataclass
 class Result:
@@ -127,8 +142,19 @@ def invoke(capsys, *args: str) -> Result:
 
 # ---- a run's files as the trainer and the drill write them ------------------------------
 
-def fake_run(root, run_id="m1", *, step_s=0.5, stall_s=2.0, commit_s=3.0, every=10, steps=40,
-             restart_at=25, drills=(100.0, 120.0, 110.0)) -> str:
+
+def fake_run(
+    root,
+    run_id="m1",
+    *,
+    step_s=0.5,
+    stall_s=2.0,
+    commit_s=3.0,
+    every=10,
+    steps=40,
+    restart_at=25,
+    drills=(100.0, 120.0, 110.0),
+) -> str:
     """A run's files as the trainer and the drill write them: saves every ``every`` steps,
     each adding ``stall_s`` to the next step; a torchrun restart resumes after ``restart_at``'s
     last checkpoint (steps repeat, ``t`` restarts from zero)."""
@@ -140,8 +166,16 @@ def fake_run(root, run_id="m1", *, step_s=0.5, stall_s=2.0, commit_s=3.0, every=
         t = 3.0  # start-up before the first step
         for s in range(first, last + 1):
             t += step_s + (stall_s if (s - 1) % every == 0 and s > 1 else 0.0)
-            rows.append({"step": s, "loss": 1.0, "lr": 1e-3, "attempt": attempt, "t": round(t, 4),
-                         "wall": wall0 + attempt * 1000 + t})
+            rows.append(
+                {
+                    "step": s,
+                    "loss": 1.0,
+                    "lr": 1e-3,
+                    "attempt": attempt,
+                    "t": round(t, 4),
+                    "wall": wall0 + attempt * 1000 + t,
+                }
+            )
             if s % every == 0:
                 outbox.append({"step": s, "committed_at": rows[-1]["wall"] + commit_s})
     with open(os.path.join(run, layout.METRICS), "w") as f:
@@ -161,6 +195,7 @@ def fake_run(root, run_id="m1", *, step_s=0.5, stall_s=2.0, commit_s=3.0, every=
 
 
 # ---- the checkpoint-interval model, written independently (brute force) ---------------
+
 
 def grid(center: float, span: float = 100.0, n: int = 40001) -> np.ndarray:
     """Log-spaced intervals around ``center``: neighbours differ by < 0.03 %."""

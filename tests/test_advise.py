@@ -79,10 +79,11 @@ def test_advice_rounds_to_steps_and_its_optimum_beats_every_other_row():
     assert doc["recommended"]["young"]["steps"] >= 1 and "sqrt(2*S*M)" in doc["formulas"]["young"]
 
 
-@pytest.mark.parametrize("kw", [dict(save_s=0.0), dict(mtbf_s=-1.0), dict(step_s=0.0), dict(restore_s=-5.0),
-                                dict(save_s=float("nan"))])
+@pytest.mark.parametrize(
+    "kw", [{"save_s": 0.0}, {"mtbf_s": -1.0}, {"step_s": 0.0}, {"restore_s": -5.0}, {"save_s": float("nan")}]
+)
 def test_invalid_inputs_name_the_field(kw):
-    base = dict(save_s=1.0, restore_s=10.0, step_s=0.5, mtbf_s=H)
+    base = {"save_s": 1.0, "restore_s": 10.0, "step_s": 0.5, "mtbf_s": H}
     with pytest.raises(ConfigError, match=next(iter(kw))):
         adv.Inputs(**{**base, **kw})
 

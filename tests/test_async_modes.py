@@ -10,18 +10,31 @@ import os
 
 import pytest
 
-from tests.helpers import run_torchrun
-from tests.helpers import flip_byte, step_dir
 from ckptflow.trainer.manifest import read_manifest
 from ckptflow.trainer.verify import verify_checkpoint
+from tests.helpers import flip_byte, run_torchrun, step_dir
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("mode", ["process", "thread", "sync"])
 def test_manifest_covers_every_shard(tmp_path, mode):
-    r = run_torchrun(["--ckpt-root", str(tmp_path), "--run-id", "r", "--model", "tiny", "--max-steps", "2",
-                      "--save-every", "2", "--async-mode", mode])
+    r = run_torchrun(
+        [
+            "--ckpt-root",
+            str(tmp_path),
+            "--run-id",
+            "r",
+            "--model",
+            "tiny",
+            "--max-steps",
+            "2",
+            "--save-every",
+            "2",
+            "--async-mode",
+            mode,
+        ]
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     d = step_dir(os.path.join(tmp_path, "r"), 2)
     on_disk = sorted(n for n in os.listdir(d) if n != "manifest.json")

@@ -27,18 +27,35 @@ from ckptflow.chaos.model import TrialResult, summarize
 from ckptflow.chaos.s3proxy import FaultProxy
 from ckptflow.tasks.config import TierConfig
 from ckptflow.tasks.storage import Tier
-from tests.helpers import PY, REPO, torchrun_env
 from ckptflow.trainer import layout
 from ckptflow.trainer.errors import CheckpointNotFoundError, CkptflowError
+from tests.helpers import PY, REPO, torchrun_env
 
 pytestmark = pytest.mark.slow
 
 
 def test_a_small_campaign_across_every_kind_passes_and_reports_the_figures(tmp_path):
     env = torchrun_env()
-    r = subprocess.run([PY, "-m", "ckptflow.cli.main", "chaos", "--trials", "5", "--seed", "3", "--json",
-                        "--workdir", str(tmp_path / "chaos")], cwd=REPO, env=env, capture_output=True, text=True,
-                       timeout=900)
+    r = subprocess.run(
+        [
+            PY,
+            "-m",
+            "ckptflow.cli.main",
+            "chaos",
+            "--trials",
+            "5",
+            "--seed",
+            "3",
+            "--json",
+            "--workdir",
+            str(tmp_path / "chaos"),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     rep = json.loads(r.stdout)
     s = rep["summary"]
@@ -58,30 +75,36 @@ def test_the_verdict_fails_on_anything_lost_undetected_broken_or_unrecovered():
     ok = TrialResult(0, "kill", "x", injected=1, recovered=True)
     unreached = TrialResult(1, "kill", "x")
     assert ok.ok and ok.detected and unreached.ok and not unreached.detected
-    for bad in (TrialResult(2, "kill", "x", injected=1, recovered=True, lost=["step 4"]),
-                TrialResult(3, "corrupt", "x", injected=1, recovered=True, undetected=["trusted"]),
-                TrialResult(4, "s3", "x", injected=1, recovered=True, violations=["unclean"]),
-                TrialResult(5, "enospc", "x", injected=1, recovered=False),
-                TrialResult(6, "prefect", "x", error="harness")):
+    for bad in (
+        TrialResult(2, "kill", "x", injected=1, recovered=True, lost=["step 4"]),
+        TrialResult(3, "corrupt", "x", injected=1, recovered=True, undetected=["trusted"]),
+        TrialResult(4, "s3", "x", injected=1, recovered=True, violations=["unclean"]),
+        TrialResult(5, "enospc", "x", injected=1, recovered=False),
+        TrialResult(6, "prefect", "x", error="harness"),
+    ):
         assert not bad.ok, bad
     assert TrialResult(7, "enospc", "x", injected=1, recovered=True, findings=["unclear"]).ok
-    s = summarize([ok, unreached, TrialResult(2, "kill", "y", injected=1, recovered=True, lost=["a", "b"],
-                                              recovery_s=9.0)])
+    s = summarize(
+        [ok, unreached, TrialResult(2, "kill", "y", injected=1, recovered=True, lost=["a", "b"], recovery_s=9.0)]
+    )
     assert (s["kill"].trials, s["kill"].faults, s["kill"].lost, s["kill"].not_injected) == (3, 2, 2, 1)
     assert s["total"].longest_recovery_s == 9.0 and s["total"].longest_recovery_trial == 2
 
 
 def test_the_cli_exits_1_when_a_trial_fails(monkeypatch):
+    import typer
     from typer.testing import CliRunner
 
     import ckptflow.chaos
     from ckptflow.chaos.runner import CampaignReport
     from ckptflow.cli.cmd_chaos import chaos
-    import typer
 
     def fake(opts, **_kw):
-        return CampaignReport(opts.seed, {}, [TrialResult(0, "kill", "SIGKILL x", injected=1, recovered=True,
-                                                          lost=["step 4 exists on no tier"])])
+        return CampaignReport(
+            opts.seed,
+            {},
+            [TrialResult(0, "kill", "SIGKILL x", injected=1, recovered=True, lost=["step 4 exists on no tier"])],
+        )
 
     monkeypatch.setattr(ckptflow.chaos, "run_campaign", fake)
     app = typer.Typer()
@@ -92,6 +115,7 @@ def test_the_cli_exits_1_when_a_trial_fails(monkeypatch):
 
 
 # ---- the proxy on its own -------------------------------------------------------------------
+
 
 def _request(url: str, method: str = "GET", path: str = "/") -> tuple[int, bytes]:
     u = urllib.parse.urlsplit(url)
@@ -175,12 +199,15 @@ def test_reconcile_finishes_a_lifecycle_whose_process_was_killed(prefect_api, ti
     hot = tmp_path / "hot"
     shutil.copytree(tiny_run, hot / "tiny")
     cfg = tmp_path / "ckptflow.toml"
-    cfg.write_text(f'[hot]\nurl = "{hot}"\n[hot.retention]\nkeep_last = 5\n[warm]\nurl = "{tmp_path / "warm"}"\n'
-                   'codec = "zstd"\n[lifecycle]\nsanity_step = false\n')
+    cfg.write_text(
+        f'[hot]\nurl = "{hot}"\n[hot.retention]\nkeep_last = 5\n[warm]\nurl = "{tmp_path / "warm"}"\n'
+        'codec = "zstd"\n[lifecycle]\nsanity_step = false\n'
+    )
     env = dict(torchrun_env(), PREFECT_API_URL=prefect_api)
     cmd = [PY, "-m", "ckptflow.chaos.worker", "reconcile", "--config", str(cfg)]
-    p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         start_new_session=True)
+    p = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     rec = hot / "tiny" / layout.LIFECYCLE_DIR / layout.step_name(4) / "verified.json"
     deadline = time.monotonic() + 240
     while not rec.exists() and p.poll() is None and time.monotonic() < deadline:
@@ -206,11 +233,19 @@ def test_one_failing_lifecycle_does_not_hold_back_reconcile(prefect_api, tiny_ru
     os.makedirs(warm)
     (warm / "other").write_text("not a directory")
     cfg = tmp_path / "ckptflow.toml"
-    cfg.write_text(f'[hot]\nurl = "{hot}"\n[hot.retention]\nkeep_last = 5\n[warm]\nurl = "{warm}"\n'
-                   '[lifecycle]\nsanity_step = false\n')
+    cfg.write_text(
+        f'[hot]\nurl = "{hot}"\n[hot.retention]\nkeep_last = 5\n[warm]\nurl = "{warm}"\n'
+        "[lifecycle]\nsanity_step = false\n"
+    )
     env = dict(torchrun_env(), PREFECT_API_URL=prefect_api)
-    r = subprocess.run([PY, "-m", "ckptflow.chaos.worker", "reconcile", "--config", str(cfg)], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [PY, "-m", "ckptflow.chaos.worker", "reconcile", "--config", str(cfg)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     for step in (2, 4, 6):
         assert (hot / "tiny" / layout.LIFECYCLE_DIR / layout.step_name(step) / "pruned.json").exists()

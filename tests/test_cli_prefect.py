@@ -10,10 +10,8 @@ import shutil
 import boto3
 import pytest
 
-from tests.helpers import flip_byte, step_dir
-from tests.helpers import invoke
-from tests.helpers import write_config
 from ckptflow.trainer import layout
+from tests.helpers import flip_byte, invoke, step_dir, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("wide_tables")]
 
@@ -36,11 +34,11 @@ def hot_copy(tiny_run, tmp_path):
 
 
 def test_ls_after_lifecycles_shows_tiers_stages_and_the_quarantine(
-        capsys, prefect_api, s3_endpoint, s3_bucket, tmp_path, hot_copy):
+    capsys, prefect_api, s3_endpoint, s3_bucket, tmp_path, hot_copy
+):
     from ckptflow.flows.lifecycle import lifecycle
 
-    cfg = write_config(tmp_path, hot_copy, s3_endpoint, s3_bucket, hot_keep=5, warm_keep=1, cold_keep=5,
-                       sanity=False)
+    cfg = write_config(tmp_path, hot_copy, s3_endpoint, s3_bucket, hot_keep=5, warm_keep=1, cold_keep=5, sanity=False)
     run = hot_copy / "tiny"
     flip_byte(os.path.join(step_dir(run, 2), "__0_0.distcp"))
     for s in (4, 6, 2):  # 2 last: a later prune would delete the quarantined copy from hot
@@ -51,7 +49,7 @@ def test_ls_after_lifecycles_shows_tiers_stages_and_the_quarantine(
     rows = {c["step"]: c for c in r.json()["checkpoints"]}
     assert rows[2]["tiers"] == ["hot"] and rows[2]["quarantined"] and not rows[2]["verified"]
     assert "__0_0.distcp" in rows[2]["quarantine_reasons"][0]
-    assert rows[4]["tiers"] == ["hot", "cold"]            # warm keeps 1: pruned there by step 6's lifecycle
+    assert rows[4]["tiers"] == ["hot", "cold"]  # warm keeps 1: pruned there by step 6's lifecycle
     assert rows[6]["tiers"] == ["hot", "warm", "cold"]
     for s in (4, 6):
         assert rows[s]["stages"] == ["verified", "compressed", "promoted", "archived", "pruned"]
@@ -79,7 +77,8 @@ def cold_cfg(hot_copy, tmp_path, s3_endpoint, s3_bucket):
 
 
 def test_drill_prints_the_result_table_and_plot_and_exits_1_on_failure(
-        capsys, prefect_api, cold_cfg, tmp_path, s3_endpoint, s3_bucket):
+    capsys, prefect_api, cold_cfg, tmp_path, s3_endpoint, s3_bucket
+):
     hist, scratch = tmp_path / "drills", tmp_path / "scratch"
     args = ("--config", cold_cfg, "--history-dir", hist, "--scratch-dir", scratch)
     r = invoke(capsys, "drill", "tiny", "--step", "6", *args)

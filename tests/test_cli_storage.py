@@ -13,23 +13,28 @@ import time
 import boto3
 import pytest
 
-from tests.helpers import PY, REPO
-from tests.helpers import flip_byte
-from tests.helpers import fake_run, invoke
 from ckptflow.trainer import layout
+from tests.helpers import PY, REPO, fake_run, flip_byte, invoke
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("wide_tables")]
 
 
-def write_cfg(tmp_path, *, cold: str | None = None, endpoint: str | None = None, hot_keep: int = 1,
-              warm_keep: int = 1, cold_keep: int = 5) -> str:
+def write_cfg(
+    tmp_path,
+    *,
+    cold: str | None = None,
+    endpoint: str | None = None,
+    hot_keep: int = 1,
+    warm_keep: int = 1,
+    cold_keep: int = 5,
+) -> str:
     text = f"""
 [hot]
-url = "{tmp_path / 'hot'}"
+url = "{tmp_path / "hot"}"
 [hot.retention]
 keep_last = {hot_keep}
 [warm]
-url = "{tmp_path / 'warm'}"
+url = "{tmp_path / "warm"}"
 codec = "zstd"
 [warm.retention]
 keep_last = {warm_keep}
@@ -66,16 +71,18 @@ def three_tiers(tiny_run, tmp_path, s3_endpoint, s3_bucket):
 
 # ---- restore -----------------------------------------------------------------------------
 
+
 def test_restore_falls_back_past_a_corrupted_newest_and_verify_accepts_the_result(
-        capsys, three_tiers, tmp_path, s3_endpoint, s3_bucket):
+    capsys, three_tiers, tmp_path, s3_endpoint, s3_bucket
+):
     cfg, hot, warm, cold = three_tiers
-    flip_byte(os.path.join(hot.url_for("tiny", 6), "__0_0.distcp"))       # hot copy of 6
+    flip_byte(os.path.join(hot.url_for("tiny", 6), "__0_0.distcp"))  # hot copy of 6
     flip_byte(os.path.join(warm.url_for("tiny", 6), "__0_0.distcp.zst"))  # warm copy of 6
     s3 = boto3.client("s3", endpoint_url=s3_endpoint)
     key = f"ckpt/tiny/{layout.step_name(6)}/__0_0.distcp.zst"
     body = bytearray(s3.get_object(Bucket=s3_bucket, Key=key)["Body"].read())
     body[len(body) // 2] ^= 1
-    s3.put_object(Bucket=s3_bucket, Key=key, Body=bytes(body))            # and the cold one
+    s3.put_object(Bucket=s3_bucket, Key=key, Body=bytes(body))  # and the cold one
 
     dst = tmp_path / "restored"
     r = invoke(capsys, "restore", "tiny", "--to", dst, "--config", cfg, "--json")
@@ -144,8 +151,11 @@ def test_progress_callback_adds_up_to_progress_total(three_tiers, tmp_path, whic
     res = fetch(tier, "tiny", 4, str(tmp_path / "d"), progress=cb)
     idx = tier.read_index("tiny", 4)
     assert sum(seen) == progress_total(tier, idx) > 0 and len(seen) >= 2
-    want = {"hot": idx.total_raw_bytes, "warm": idx.total_raw_bytes,
-            "cold": idx.total_stored_bytes + idx.total_raw_bytes}[which]
+    want = {
+        "hot": idx.total_raw_bytes,
+        "warm": idx.total_raw_bytes,
+        "cold": idx.total_stored_bytes + idx.total_raw_bytes,
+    }[which]
     assert progress_total(tier, idx) == want and res.bytes_raw == idx.total_raw_bytes
     # no callback: the behaviour is the old one (plain copy, same result)
     assert fetch(tier, "tiny", 4, str(tmp_path / "e")).bytes_raw == res.bytes_raw
@@ -165,6 +175,7 @@ def test_restore_takes_back_the_progress_of_a_skipped_candidate(three_tiers, tmp
 
 
 # ---- ls, pin, prune ------------------------------------------------------------------------
+
 
 @pytest.fixture
 def two_tiers(tiny_run, tmp_path):
@@ -268,11 +279,25 @@ def test_ls_of_an_unknown_run_or_path_is_one_line_and_exit_3(capsys, two_tiers, 
 
 # ---- advise ------------------------------------------------------------------------------
 
+
 def test_advise_from_flags_matches_the_brute_force_optimum(capsys):
     from tests.helpers import brute_exact, brute_first_order
 
-    r = invoke(capsys, "advise", "--save-seconds", "30", "--restore-seconds", "600", "--step-seconds", "2",
-               "--mtbf-hours", "6", "--current-steps", "100", "--json")
+    r = invoke(
+        capsys,
+        "advise",
+        "--save-seconds",
+        "30",
+        "--restore-seconds",
+        "600",
+        "--step-seconds",
+        "2",
+        "--mtbf-hours",
+        "6",
+        "--current-steps",
+        "100",
+        "--json",
+    )
     assert r.code == 0, r.err
     d = r.json()
     m = 6 * 3600.0
@@ -282,8 +307,9 @@ def test_advise_from_flags_matches_the_brute_force_optimum(capsys):
     assert d["recommended"]["exact"]["steps"] == round(d["recommended"]["exact"]["ideal_s"] / 2)
     assert d["inputs"]["sources"]["save_s"] == "--save-seconds"
     assert [c["label"] for c in d["comparison"]].count("current") == 1
-    text = invoke(capsys, "advise", "--save-seconds", "30", "--restore-seconds", "600", "--step-seconds", "2",
-                  "--mtbf-hours", "6")
+    text = invoke(
+        capsys, "advise", "--save-seconds", "30", "--restore-seconds", "600", "--step-seconds", "2", "--mtbf-hours", "6"
+    )
     assert f"checkpoint every {d['recommended']['exact']['steps']:,} steps" in text.out
     assert "Young" in text.out and "Daly" in text.out and "4x optimum" in text.out
 
@@ -303,8 +329,9 @@ def test_advise_from_a_run_uses_its_measurements_and_flags_override(capsys, tmp_
 def test_advise_errors_are_usage_errors_with_one_line(capsys, tmp_path):
     r = invoke(capsys, "advise", "--save-seconds", "30", "--step-seconds", "2", "--mtbf-hours", "6")
     assert r.code == 2 and r.err.strip() == "ckptflow: error: --restore-seconds is required"
-    r = invoke(capsys, "advise", "--save-seconds", "0", "--restore-seconds", "1", "--step-seconds", "2",
-               "--mtbf-hours", "6")
+    r = invoke(
+        capsys, "advise", "--save-seconds", "0", "--restore-seconds", "1", "--step-seconds", "2", "--mtbf-hours", "6"
+    )
     assert r.code == 2 and r.err.strip() == "ckptflow: error: --save-seconds 0.0 must be > 0"
     bare = tmp_path / "hot" / "bare"
     bare.mkdir(parents=True)
@@ -316,6 +343,7 @@ def test_advise_errors_are_usage_errors_with_one_line(capsys, tmp_path):
 
 # ---- the console script itself -------------------------------------------------------------
 
+
 def test_help_is_fast_and_errors_from_the_shell_are_one_line(tmp_path):
     exe = os.path.join(os.path.dirname(PY), "ckptflow")
     env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "CKPTFLOW_CONFIG")}
@@ -326,11 +354,23 @@ def test_help_is_fast_and_errors_from_the_shell_are_one_line(tmp_path):
     assert r.returncode == 0 and took < 1.0, took
     for cmd in ("ls", "verify", "restore", "prune", "pin", "unpin", "drill", "advise", "alerts", "serve"):
         assert f" {cmd} " in r.stdout, cmd
-    r = subprocess.run([exe, "restore", "tiny", "--to", str(tmp_path / "x"), "--config", str(tmp_path / "no.toml")],
-                       capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=60)
+    r = subprocess.run(
+        [exe, "restore", "tiny", "--to", str(tmp_path / "x"), "--config", str(tmp_path / "no.toml")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(tmp_path),
+        timeout=60,
+    )
     assert r.returncode == 3 and r.stderr.count("\n") == 1 and "no.toml" in r.stderr, r.stderr
-    r = subprocess.run([exe, "alerts", "setup", "ftp://example.com/hook"], capture_output=True, text=True,
-                       env=env, cwd=str(tmp_path), timeout=60)
+    r = subprocess.run(
+        [exe, "alerts", "setup", "ftp://example.com/hook"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(tmp_path),
+        timeout=60,
+    )
     assert r.returncode == 2 and r.stderr.startswith("ckptflow: error:") and r.stderr.count("\n") == 1
     r = subprocess.run([exe, "serve"], capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=60)
     assert r.returncode == 2 and "PREFECT_API_URL" in r.stderr

@@ -24,8 +24,7 @@ from ckptflow.trainer.checksum import hash_bytes
 from ckptflow.trainer.errors import CodecError
 
 CHUNK = 4096  # the smallest chunk: small inputs still span many chunks
-DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "complex64": 8,
-          "int32": 4, "int8": 1, "bool": 1}
+DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "complex64": 8, "int32": 4, "int8": 1, "bool": 1}
 
 
 def roundtrip(raw: bytes, dmap: DtypeMap | None, threads: int = 2, level=None) -> bytes:
@@ -50,8 +49,11 @@ def shard_files(draw):
         dtype = draw(st.sampled_from(sorted(DTYPES)))
         n = draw(st.integers(0, 3000)) * DTYPES[dtype]
         # raw bits: every NaN payload, infinity, subnormal and signed zero is reachable
-        data = draw(st.one_of(st.binary(min_size=n, max_size=n),
-                              st.sampled_from([b"\x00", b"\xff", b"\x80"]).map(lambda b: b * n)))
+        data = draw(
+            st.one_of(
+                st.binary(min_size=n, max_size=n), st.sampled_from([b"\x00", b"\xff", b"\x80"]).map(lambda b: b * n)
+            )
+        )
         ranges.append(Range(len(buf), n, dtype))
         buf += data
     buf += draw(st.binary(max_size=100))
@@ -76,11 +78,26 @@ def test_round_trip_bit_exact_with_right_or_wrong_maps(f, skew, threads):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
 def test_special_float_values(dtype):
     finfo = torch.finfo(dtype)
-    t = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, finfo.tiny,
-                      finfo.tiny / 4, -finfo.tiny / 2, finfo.max, finfo.min, 1.0, -1.5] * 50,
-                     dtype=dtype)
+    t = torch.tensor(
+        [
+            float("nan"),
+            float("inf"),
+            -float("inf"),
+            0.0,
+            -0.0,
+            finfo.tiny,
+            finfo.tiny / 4,
+            -finfo.tiny / 2,
+            finfo.max,
+            finfo.min,
+            1.0,
+            -1.5,
+        ]
+        * 50,
+        dtype=dtype,
+    )
     raw = bytearray(t.view(torch.uint8).numpy().tobytes())
-    raw[0:t.element_size()] = b"\x01" + b"\xff" * (t.element_size() - 1)  # NaN with a payload
+    raw[0 : t.element_size()] = b"\x01" + b"\xff" * (t.element_size() - 1)  # NaN with a payload
     dmap = DtypeMap((Range(0, len(raw), str(dtype)),))
     for level in (None, 9):
         assert roundtrip(bytes(raw), dmap, level=level) == bytes(raw)
@@ -106,6 +123,7 @@ def test_grouping_beats_plain_on_float_weights():
 
 
 # ---- damage ------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def container():

@@ -21,12 +21,14 @@ from ckptflow.trainer.errors import CodecError, ConfigError, IntegrityError, Uns
 def _state_dict():
     g = torch.Generator().manual_seed(0)
     return {
-        "model": {"w": torch.randn(300, 257, generator=g) * 0.02,
-                  "b": torch.randn(7, generator=g).to(torch.bfloat16),
-                  "h": torch.randn(33, generator=g).to(torch.float16),
-                  "d": torch.randn(5, generator=g).double(),
-                  "empty": torch.empty(0, 4),
-                  "ids": torch.arange(1000)},
+        "model": {
+            "w": torch.randn(300, 257, generator=g) * 0.02,
+            "b": torch.randn(7, generator=g).to(torch.bfloat16),
+            "h": torch.randn(33, generator=g).to(torch.float16),
+            "d": torch.randn(5, generator=g).double(),
+            "empty": torch.empty(0, 4),
+            "ids": torch.arange(1000),
+        },
         "special": torch.tensor([float("nan"), float("inf"), -0.0, 1e-45]),
         "step": 12,
         "meta": {"name": "run", "lr": 3e-4},
@@ -53,11 +55,13 @@ def test_dtype_map_points_at_exactly_the_tensor_bytes(ckpt):
     maps = dtype_maps_for_checkpoint(str(ckpt))
     assert list(maps) == ["__0_0.distcp"]
     shard = (ckpt / "__0_0.distcp").read_bytes()
-    found = {shard[r.offset:r.offset + r.length]: r.dtype for r in maps["__0_0.distcp"].ranges}
+    found = {shard[r.offset : r.offset + r.length]: r.dtype for r in maps["__0_0.distcp"].ranges}
     sd = _state_dict()
-    expected = {t.contiguous().view(torch.uint8).numpy().tobytes(): str(t.dtype)[6:]
-                for t in (*sd["model"].values(), sd["special"])
-                if t.is_floating_point() and t.numel()}
+    expected = {
+        t.contiguous().view(torch.uint8).numpy().tobytes(): str(t.dtype)[6:]
+        for t in (*sd["model"].values(), sd["special"])
+        if t.is_floating_point() and t.numel()
+    }
     assert found == expected
 
 
@@ -75,8 +79,12 @@ def test_directory_round_trip_byte_for_byte(ckpt, tmp_path):
     import torch.distributed.checkpoint as dcp
 
     sd = _state_dict()
-    target = {"model": {k: torch.zeros_like(v) for k, v in sd["model"].items()},
-              "special": torch.zeros(4), "step": 0, "meta": {"name": "", "lr": 0.0}}
+    target = {
+        "model": {k: torch.zeros_like(v) for k, v in sd["model"].items()},
+        "special": torch.zeros(4),
+        "step": 0,
+        "meta": {"name": "", "lr": 0.0},
+    }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.load(target, checkpoint_id=str(tmp_path / "out"), no_dist=True)
@@ -130,13 +138,17 @@ def test_destination_must_be_new_and_outside(ckpt, tmp_path):
 def test_safetensors_header_map():
     a = (np.arange(10, dtype=np.float32) * 0.5).tobytes()
     b = np.arange(4, dtype=np.int64).tobytes()
-    header = json.dumps({"a": {"dtype": "F32", "shape": [10], "data_offsets": [0, 40]},
-                         "b": {"dtype": "I64", "shape": [4], "data_offsets": [40, 72]},
-                         "__metadata__": {"x": "y"}}).encode()
+    header = json.dumps(
+        {
+            "a": {"dtype": "F32", "shape": [10], "data_offsets": [0, 40]},
+            "b": {"dtype": "I64", "shape": [4], "data_offsets": [40, 72]},
+            "__metadata__": {"x": "y"},
+        }
+    ).encode()
     blob = struct.pack("<Q", len(header)) + header + a + b
     m = safetensors_dtype_map(io.BytesIO(blob))
     (r,) = m.ranges
-    assert blob[r.offset:r.offset + r.length] == a and r.dtype == "float32"
+    assert blob[r.offset : r.offset + r.length] == a and r.dtype == "float32"
     assert safetensors_dtype_map(io.BytesIO(b"not safetensors")).ranges == ()
 
 
@@ -154,13 +166,12 @@ def test_cli_compress_decompress(ckpt, tmp_path):
 
 
 def test_cli_errors_are_one_line_with_exit_codes(ckpt, tmp_path, capsys, monkeypatch):
-    from ckptflow.cli.main import app
     from ckptflow.cli.errors import run_cli
+    from ckptflow.cli.main import app
 
     monkeypatch.setattr("sys.argv", ["ckptflow", "decompress", str(ckpt), str(tmp_path / "o")])
     assert run_cli(app) == 3  # no codec index: not found
-    monkeypatch.setattr("sys.argv", ["ckptflow", "compress", str(ckpt), str(tmp_path / "o2"),
-                                     "--codec", "lzma"])
+    monkeypatch.setattr("sys.argv", ["ckptflow", "compress", str(ckpt), str(tmp_path / "o2"), "--codec", "lzma"])
     assert run_cli(app) == 4
     assert "unknown" in capsys.readouterr().err
 
@@ -173,8 +184,7 @@ def test_multi_file_checkpoint(tmp_path):
     sd = {f"t{i}": torch.randn(64, 33) for i in range(6)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save(sd, storage_writer=FileSystemWriter(str(tmp_path / "c"), thread_count=3),
-                 no_dist=True)
+        dcp.save(sd, storage_writer=FileSystemWriter(str(tmp_path / "c"), thread_count=3), no_dist=True)
     maps = dtype_maps_for_checkpoint(str(tmp_path / "c"))
     assert len(maps) == 3 and all(len(m.ranges) == 2 for m in maps.values())
     compress_dir(str(tmp_path / "c"), str(tmp_path / "z"))

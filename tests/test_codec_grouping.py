@@ -33,18 +33,26 @@ def test_exponent_stream_is_the_exponent():
 
 
 def test_special_values_survive():
-    vals = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 5e-324, -5e-324, 1.7e308],
-                    np.float64)
+    vals = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 5e-324, -5e-324, 1.7e308], np.float64)
     raw = vals.view(np.uint8).copy()
     raw[:8] = np.frombuffer(np.uint64(0x7FF4000000000ABC).tobytes(), np.uint8)  # NaN payload
     assert merge(split(raw, 8), 8).tobytes() == raw.tobytes()
 
 
-@pytest.mark.parametrize("dtype,kind", [
-    ("torch.bfloat16", 2), ("float16", 2), ("torch.float32", 4), ("float64", 8),
-    ("complex64", 4), ("torch.int64", PLAIN), ("bool", PLAIN), ("float8_e4m3fn", PLAIN),
-    ("uint8", PLAIN),
-])
+@pytest.mark.parametrize(
+    "dtype,kind",
+    [
+        ("torch.bfloat16", 2),
+        ("float16", 2),
+        ("torch.float32", 4),
+        ("float64", 8),
+        ("complex64", 4),
+        ("torch.int64", PLAIN),
+        ("bool", PLAIN),
+        ("float8_e4m3fn", PLAIN),
+        ("uint8", PLAIN),
+    ],
+)
 def test_kind_for_dtype(dtype, kind):
     assert kind_for_dtype(dtype) == kind
 

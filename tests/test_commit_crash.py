@@ -7,21 +7,20 @@ import os
 
 import pytest
 
-from tests.helpers import run_torchrun
-from tests.helpers import last_per_step, metrics, read_latest, step_dir, tmp_dirs
 from ckptflow.trainer import layout
 from ckptflow.trainer.verify import verify_checkpoint
+from tests.helpers import last_per_step, metrics, read_latest, run_torchrun, step_dir, tmp_dirs
 
 pytestmark = pytest.mark.slow
 ARGS = ["--model", "tiny", "--max-steps", "6", "--save-every", "2"]
 
 # (phase, rank that dies, is step 4 committed after the crash?)
 PHASES = [
-    ("shards", 1, False),          # rank 1 wrote its shard, rank 0 maybe not: partial .tmp
-    ("after_shards", 0, False),    # all shards + .metadata written, no manifest
+    ("shards", 1, False),  # rank 1 wrote its shard, rank 0 maybe not: partial .tmp
+    ("after_shards", 0, False),  # all shards + .metadata written, no manifest
     ("after_manifest", 0, False),  # manifest durable inside .tmp, not renamed
-    ("after_rename", 0, True),     # committed dir, `latest` still names step 2
-    ("after_latest", 0, True),     # committed and `latest` updated, no outbox line/event
+    ("after_rename", 0, True),  # committed dir, `latest` still names step 2
+    ("after_latest", 0, True),  # committed and `latest` updated, no outbox line/event
 ]
 
 
@@ -36,8 +35,9 @@ def baseline(tmp_path_factory):
 @pytest.mark.parametrize("phase,rank,committed", PHASES, ids=[p[0] for p in PHASES])
 def test_crash_during_commit(tmp_path, baseline, phase, rank, committed):
     run = os.path.join(tmp_path, "r")
-    crash = run_torchrun(["--ckpt-root", str(tmp_path), "--run-id", "r", *ARGS],
-                         env={"CKPTFLOW_FAULT": f"{phase}@4:rank{rank}"})
+    crash = run_torchrun(
+        ["--ckpt-root", str(tmp_path), "--run-id", "r", *ARGS], env={"CKPTFLOW_FAULT": f"{phase}@4:rank{rank}"}
+    )
     assert crash.returncode != 0, "the fault must kill the job"
 
     # Right after the crash: `latest` names a checkpoint that verifies.

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from ckptflow.tasks.config import (CkptflowConfig, RetentionPolicy, TierConfig, default_config, load_config)
+from ckptflow.tasks.config import CkptflowConfig, RetentionConfig, TierConfig, default_config, load_config
 from ckptflow.trainer.errors import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,7 +25,7 @@ def test_example_file_loads_and_sets_every_section():
     assert cfg.hot.codec == "none" and cfg.warm.codec == "bytegroup"
     assert cfg.cold.is_s3 and cfg.cold.storage_class == "STANDARD_IA"
     assert cfg.warm.retention.keep_every == 1000 and cfg.cold.retention.keep_best == 3
-    assert cfg.prefect.work_pool == "ckptflow-pool" and cfg.drill.schedule_cron == "0 3 * * *"
+    assert cfg.prefect.flow_concurrency == 2 and cfg.drill.schedule_cron == "0 3 * * *"
     # relative local paths are resolved against the file's directory, not the cwd
     assert cfg.hot.url == os.path.join(REPO, "deployments", ".ckptflow", "hot")
     assert [t.name for t in cfg.tiers()] == ["hot", "warm", "cold"]
@@ -52,12 +52,15 @@ def test_search_order_flag_then_env_then_cwd(tmp_path, monkeypatch):
     assert load_config(flag).hot.url.endswith("/flag")
 
 
-@pytest.mark.parametrize("text, key", [
-    ('[hot]\nurl = "h"\ncodek = "zstd"\n', "'hot.codek'"),
-    ('[hot]\nurl = "h"\n[hot.retention]\nkeep_lst = 3\n', "'hot.retention.keep_lst'"),
-    ('[hot]\nurl = "h"\n[tiers]\n', "'tiers'"),
-    ('[hot]\nurl = "h"\n[drill]\ncron = "x"\n', "'drill.cron'"),
-])
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ('[hot]\nurl = "h"\ncodek = "zstd"\n', "'hot.codek'"),
+        ('[hot]\nurl = "h"\n[hot.retention]\nkeep_lst = 3\n', "'hot.retention.keep_lst'"),
+        ('[hot]\nurl = "h"\n[tiers]\n', "'tiers'"),
+        ('[hot]\nurl = "h"\n[drill]\ncron = "x"\n', "'drill.cron'"),
+    ],
+)
 def test_unknown_keys_name_the_key_and_the_file(tmp_path, text, key):
     path = write(tmp_path, text)
     with pytest.raises(ConfigError) as e:
@@ -66,26 +69,28 @@ def test_unknown_keys_name_the_key_and_the_file(tmp_path, text, key):
 
 
 def test_credentials_in_the_file_are_refused_with_a_hint(tmp_path):
-    path = write(tmp_path, '[hot]\nurl = "h"\n[cold]\nurl = "s3://b/p"\n'
-                           'aws_secret_access_key = "SECRETVALUE"\n')
+    path = write(tmp_path, '[hot]\nurl = "h"\n[cold]\nurl = "s3://b/p"\naws_secret_access_key = "SECRETVALUE"\n')
     with pytest.raises(ConfigError) as e:
         load_config(path)
     assert "AWS chain" in str(e.value) and "SECRETVALUE" not in str(e.value)
 
 
-@pytest.mark.parametrize("text, needle", [
-    ('[hot]\nurl = "h"\ncodec = "lz4"\n', "hot.codec='lz4'"),
-    ('[hot]\nurl = "h"\nlevel = 40\n', "hot.level=40"),
-    ('[hot]\nurl = "h"\nmax_concurrency = "8"\n', "hot.max_concurrency = '8' has the wrong type"),
-    ('[hot]\nurl = "h"\nstorage_class = "GLACIER"\n', "applies to s3:// tiers only"),
-    ('[hot]\nurl = "h"\n[cold]\nurl = "s3://b/p"\nstorage_class = "COLDEST"\n', "cold.storage_class"),
-    ('[hot]\nurl = "h"\n[cold]\nurl = "s3://b/p"\nmultipart_chunksize_mb = 1\n', "cold.multipart_chunksize_mb=1"),
-    ('[hot]\nurl = "s3://b/hot"\n', "hot.url"),
-    ('[hot]\nurl = "h"\n[hot.retention]\nkeep_last = 0\n', "retention.keep_last=0"),
-    ('[hot]\nurl = "h"\n[warm]\nurl = "h"\n', "share one url"),
-    ('[warm]\nurl = "w"\n', "missing section [hot]"),
-    ('[hot\nurl = "h"\n', "not valid TOML"),
-])
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ('[hot]\nurl = "h"\ncodec = "lz4"\n', "hot.codec='lz4'"),
+        ('[hot]\nurl = "h"\nlevel = 40\n', "hot.level=40"),
+        ('[hot]\nurl = "h"\nmax_concurrency = "8"\n', "hot.max_concurrency = '8' has the wrong type"),
+        ('[hot]\nurl = "h"\nstorage_class = "GLACIER"\n', "applies to s3:// tiers only"),
+        ('[hot]\nurl = "h"\n[cold]\nurl = "s3://b/p"\nstorage_class = "COLDEST"\n', "cold.storage_class"),
+        ('[hot]\nurl = "h"\n[cold]\nurl = "s3://b/p"\nmultipart_chunksize_mb = 1\n', "cold.multipart_chunksize_mb=1"),
+        ('[hot]\nurl = "s3://b/hot"\n', "hot.url"),
+        ('[hot]\nurl = "h"\n[hot.retention]\nkeep_last = 0\n', "retention.keep_last=0"),
+        ('[hot]\nurl = "h"\n[warm]\nurl = "h"\n', "share one url"),
+        ('[warm]\nurl = "w"\n', "missing section [hot]"),
+        ('[hot\nurl = "h"\n', "not valid TOML"),
+    ],
+)
 def test_invalid_values_name_field_value_and_file(tmp_path, text, needle):
     path = write(tmp_path, text)
     with pytest.raises(ConfigError) as e:
@@ -103,8 +108,8 @@ def test_missing_explicit_files_are_errors(tmp_path, monkeypatch):
 
 def test_retention_that_keeps_nothing_is_refused():
     with pytest.raises(ConfigError, match="keeps nothing"):
-        RetentionPolicy(keep_last=None)
-    assert RetentionPolicy(keep_last=None, keep_all=True).keep_all
+        RetentionConfig(keep_last=None)
+    assert RetentionConfig(keep_last=None, keep_all=True).keep_all
 
 
 def test_dataclasses_are_typed_and_secrets_stay_out_of_repr():

@@ -13,11 +13,10 @@ import subprocess
 
 import pytest
 
-from tests.helpers import PY, REPO, run_torchrun, torchrun_env
-from tests.helpers import flip_byte, metrics, step_dir
 from ckptflow.trainer import layout
 from ckptflow.trainer.resume import find_resume_point
 from ckptflow.trainer.verify import verify_checkpoint
+from tests.helpers import PY, REPO, flip_byte, metrics, run_torchrun, step_dir, torchrun_env
 
 
 @pytest.fixture
@@ -79,9 +78,15 @@ def _unsafe_name(run):
     return p, "unsafe file name"
 
 
-CASES = {"flipped_byte": _flip, "truncated_shard": _truncate, "missing_shard": _missing,
-         "flipped_metadata": _metadata, "edited_manifest": _edit_manifest,
-         "garbage_manifest": _garbage_manifest, "unsafe_name": _unsafe_name}
+CASES = {
+    "flipped_byte": _flip,
+    "truncated_shard": _truncate,
+    "missing_shard": _missing,
+    "flipped_metadata": _metadata,
+    "edited_manifest": _edit_manifest,
+    "garbage_manifest": _garbage_manifest,
+    "unsafe_name": _unsafe_name,
+}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -114,10 +119,30 @@ def test_quarantined_checkpoint_is_skipped(run):
 def test_no_valid_checkpoint_is_a_clear_error(run):
     for s in (2, 4, 6):
         flip_byte(_shard(run, s))
-    r = subprocess.run([PY, "-m", "ckptflow.trainer.train", "--parallel", "none", "--ckpt-root",
-                        os.path.dirname(run), "--run-id", "tiny", "--model", "tiny",
-                        "--max-steps", "8", "--save-every", "2"],
-                       cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            PY,
+            "-m",
+            "ckptflow.trainer.train",
+            "--parallel",
+            "none",
+            "--ckpt-root",
+            os.path.dirname(run),
+            "--run-id",
+            "tiny",
+            "--model",
+            "tiny",
+            "--max-steps",
+            "8",
+            "--save-every",
+            "2",
+        ],
+        cwd=REPO,
+        env=torchrun_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode != 0
     assert "CheckpointNotFoundError" in r.stderr and "no committed checkpoint under" in r.stderr
     assert "ckptflow restore" in r.stderr  # says what to do

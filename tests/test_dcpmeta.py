@@ -18,8 +18,12 @@ def dcp_dir(tmp_path_factory):
     import torch.distributed.checkpoint as dcp
 
     d = tmp_path_factory.mktemp("dcp")
-    sd = {"w": torch.randn(4, 3), "h": torch.ones(2, dtype=torch.bfloat16),
-          "step": torch.tensor(7), "extra": {"lr": 0.1, "name": "x"}}
+    sd = {
+        "w": torch.randn(4, 3),
+        "h": torch.ones(2, dtype=torch.bfloat16),
+        "step": torch.tensor(7),
+        "extra": {"lr": 0.1, "name": "x"},
+    }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(sd, checkpoint_id=str(d), no_dist=True)
@@ -56,14 +60,17 @@ def test_os_system_reduce_is_refused_and_not_run(tmp_path):
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("payload", [
-    pickle.dumps(eval),  # builtins.eval by reference
-    b"cbuiltins\ngetattr\n(cos\nS'system'\ntR.",  # getattr(os, "system")
-    b"ctorch\nload\n(S'x'\ntR.",  # a torch function, not a dtype
-    pickle.dumps({"a": 1}),  # harmless but not Metadata
-    b"\x80\x04garbage",
-    b"",
-])
+@pytest.mark.parametrize(
+    "payload",
+    [
+        pickle.dumps(eval),  # builtins.eval by reference
+        b"cbuiltins\ngetattr\n(cos\nS'system'\ntR.",  # getattr(os, "system")
+        b"ctorch\nload\n(S'x'\ntR.",  # a torch function, not a dtype
+        pickle.dumps({"a": 1}),  # harmless but not Metadata
+        b"\x80\x04garbage",
+        b"",
+    ],
+)
 def test_refuses_non_metadata(payload):
     with pytest.raises(IntegrityError, match="src.metadata"):
         loads_dcp_metadata(payload, source="src.metadata")

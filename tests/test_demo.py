@@ -29,19 +29,39 @@ def _procs_with_env(needle: str) -> list[int]:
 def test_demo_end_to_end(tmp_path):
     wd = tmp_path / "demo"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "AWS_", "CKPTFLOW_"))}
-    r = subprocess.run([PY, "-m", "ckptflow.cli.main", "demo", "--workdir", str(wd), "--steps", "40",
-                        "--save-every", "10", "--kill-at", "15", "--model", "tiny"],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [
+            PY,
+            "-m",
+            "ckptflow.cli.main",
+            "demo",
+            "--workdir",
+            str(wd),
+            "--steps",
+            "40",
+            "--save-every",
+            "10",
+            "--kill-at",
+            "15",
+            "--model",
+            "tiny",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     s = json.loads((wd / "summary.json").read_text())
     assert s["ok"] and s["problems"] == []
-    assert s["killed_at_step"] >= 15 and s["resumed_from"] == 10          # killed mid-run, resumed from 10
+    assert s["killed_at_step"] >= 15 and s["resumed_from"] == 10  # killed mid-run, resumed from 10
     same, total = s["replay_identical"]
-    assert total >= 5 and same == total                                   # replayed steps bit-identical
+    assert total >= 5 and same == total  # replayed steps bit-identical
     assert [c["step"] for c in s["checkpoints"]] == [10, 20, 30, 40]
     for c in s["checkpoints"]:
         assert c["verified"] and c["probe"] == "bitwise" and "cold" in c["tiers"]
-        assert c["stored"]["cold"] < c["raw"]                              # compressed
+        assert c["stored"]["cold"] < c["raw"]  # compressed
     assert set(s["lifecycle_states"].values()) == {"COMPLETED"}
     assert s["drill"]["ok"] and os.path.getsize(s["drill"]["plot"]) > 10_000
     res = s["drill"]["results"][0]

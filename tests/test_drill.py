@@ -13,9 +13,8 @@ import time
 import boto3
 import pytest
 
-from tests.helpers import PY, REPO
-from tests.helpers import write_config
 from ckptflow.trainer import events, layout
+from tests.helpers import PY, REPO, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -82,15 +81,24 @@ def cold_run(tiny_run, tmp_path, s3_endpoint, s3_bucket):
 
 def listing(s3_endpoint, bucket) -> dict[str, str]:
     s3 = boto3.client("s3", endpoint_url=s3_endpoint)
-    return {o["Key"]: o["ETag"] for p in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket)
-            for o in p.get("Contents", [])}
+    return {
+        o["Key"]: o["ETag"]
+        for p in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket)
+        for o in p.get("Contents", [])
+    }
 
 
 def test_drill_on_a_good_checkpoint_passes_and_reports(prefect_api, cold_run, tmp_path):
     from ckptflow.flows.drill import restore_drill
 
-    out = restore_drill(run_id="tiny", config=cold_run, random_older=True, seed=1,
-                        history_dir=str(tmp_path / "drills"), scratch_dir=str(tmp_path / "scratch"))
+    out = restore_drill(
+        run_id="tiny",
+        config=cold_run,
+        random_older=True,
+        seed=1,
+        history_dir=str(tmp_path / "drills"),
+        scratch_dir=str(tmp_path / "scratch"),
+    )
     assert out["ok"]
     results = out["runs"]["tiny"]["results"]
     assert [r["step"] for r in results] == [6, 4]  # newest, then a random older one
@@ -122,7 +130,8 @@ def _delete(s3, bucket, key):
 
 @pytest.mark.parametrize("damage", [_flip, _truncate, _delete], ids=["corrupted", "truncated", "missing"])
 def test_drill_on_a_damaged_object_fails_names_it_alerts_once_and_changes_nothing(
-        prefect_api, receiver, cold_run, s3_endpoint, s3_bucket, tmp_path, damage):
+    prefect_api, receiver, cold_run, s3_endpoint, s3_bucket, tmp_path, damage
+):
     from ckptflow.flows.drill import DrillFailed, restore_drill
 
     s3 = boto3.client("s3", endpoint_url=s3_endpoint)
@@ -130,14 +139,20 @@ def test_drill_on_a_damaged_object_fails_names_it_alerts_once_and_changes_nothin
     damage(s3, s3_bucket, key)
     before = listing(s3_endpoint, s3_bucket)
     with pytest.raises(DrillFailed) as ei:
-        restore_drill(run_id="tiny", config=cold_run, random_older=False,
-                      history_dir=str(tmp_path / "drills"), scratch_dir=str(tmp_path / "scratch"))
+        restore_drill(
+            run_id="tiny",
+            config=cold_run,
+            random_older=False,
+            history_dir=str(tmp_path / "drills"),
+            scratch_dir=str(tmp_path / "scratch"),
+        )
     obj = key.rsplit("/", 1)[1]
     assert obj in str(ei.value), ei.value
     assert listing(s3_endpoint, s3_bucket) == before, "a drill only reads the tiers"
     assert os.listdir(tmp_path / "scratch") == []
-    hits = receiver.wait(lambda b: "restore drill FAILED" in b.get("subject", "") and "tiny" in b["subject"]
-                         and obj in b.get("body", ""))
+    hits = receiver.wait(
+        lambda b: "restore drill FAILED" in b.get("subject", "") and "tiny" in b["subject"] and obj in b.get("body", "")
+    )
     assert len(hits) == 1, receiver.bodies
     assert "step 6" in hits[0]["subject"] and obj in hits[0]["body"]
     receiver.bodies.clear()
@@ -145,8 +160,9 @@ def test_drill_on_a_damaged_object_fails_names_it_alerts_once_and_changes_nothin
 
 def test_stalled_trainer_alerts_once(prefect_api, receiver):
     run = f"stall{os.getpid()}"
-    events.post_events(prefect_api, [events.make_event(events.COMMITTED, run, 10, {"run_id": run, "step": 10})],
-                       timeout_s=5)
+    events.post_events(
+        prefect_api, [events.make_event(events.COMMITTED, run, 10, {"run_id": run, "step": 10})], timeout_s=5
+    )
     hits = receiver.wait(lambda b: run in b.get("subject", ""), timeout=90)
     assert len(hits) == 1, receiver.bodies
     assert "no checkpoint committed" in hits[0]["subject"] and "step 10" in hits[0]["body"]
@@ -156,13 +172,24 @@ def test_drill_deployment_schedule_after_prefect_deploy(prefect_api):
     from prefect.client.orchestration import get_client
 
     env = dict(os.environ, PREFECT_API_URL=prefect_api)
-    subprocess.run([PY, "-m", "prefect", "work-pool", "create", "ckptflow-pool", "--type", "process"], cwd=REPO,
-                   env=env, capture_output=True, text=True, timeout=120)
+    subprocess.run(
+        [PY, "-m", "prefect", "work-pool", "create", "ckptflow-pool", "--type", "process"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     names = ["ckptflow-restore-drill/restore-drill", "ckptflow-lifecycle/lifecycle", "ckptflow-reconcile/reconcile"]
     try:
-        r = subprocess.run([PY, "-m", "prefect", "--no-prompt", "deploy", "--prefect-file",
-                            "deployments/prefect.yaml", "--all"], cwd=REPO, env=env, capture_output=True, text=True,
-                           timeout=300)
+        r = subprocess.run(
+            [PY, "-m", "prefect", "--no-prompt", "deploy", "--prefect-file", "deployments/prefect.yaml", "--all"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         with get_client(sync_client=True) as c:
             dep = c.read_deployment_by_name(names[0])

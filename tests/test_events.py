@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from tests.helpers import PY, REPO, free_port, torchrun_env
 from ckptflow.trainer import events
+from tests.helpers import PY, REPO, free_port, torchrun_env
 
 ARGS = ["--model", "tiny", "--max-steps", "8", "--save-every", "2", "--parallel", "none"]
 
@@ -52,8 +52,14 @@ def silent():
 def _train(root, api_url) -> dict:
     env = torchrun_env({"PREFECT_API_URL": api_url} if api_url else None)
     t0 = time.perf_counter()
-    r = subprocess.run([PY, "-m", "ckptflow.trainer.train", "--ckpt-root", str(root), "--run-id", "r", *ARGS],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [PY, "-m", "ckptflow.trainer.train", "--ckpt-root", str(root), "--run-id", "r", *ARGS],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     line = [x for x in r.stderr.splitlines() if x.startswith("ckptflow-summary ")][-1]
     return dict(json.loads(line.split(" ", 1)[1]), wall_s=time.perf_counter() - t0)
@@ -111,9 +117,13 @@ def test_event_reaches_a_real_prefect_server_once(prefect_api, tmp_path):
     events.post_events(prefect_api, [ev], timeout_s=5)
 
     async def count() -> int:
-        body = {"filter": EventFilter(event=EventNameFilter(name=[events.COMMITTED]),
-                                      resource=EventResourceFilter(id=[ev["resource"]["prefect.resource.id"]])
-                                      ).model_dump(mode="json"), "limit": 10}
+        body = {
+            "filter": EventFilter(
+                event=EventNameFilter(name=[events.COMMITTED]),
+                resource=EventResourceFilter(id=[ev["resource"]["prefect.resource.id"]]),
+            ).model_dump(mode="json"),
+            "limit": 10,
+        }
         async with get_client() as c:
             for _ in range(50):  # events are written by the server's background consumer
                 if (await c._client.post("/events/filter", json=body)).json()["events"]:

@@ -10,9 +10,8 @@ import subprocess
 
 import pytest
 
-from tests.helpers import PY, REPO, run_torchrun, torchrun_env
-from tests.helpers import last_per_step, metrics, read_latest, step_dir, tmp_dirs
 from ckptflow.trainer import layout
+from tests.helpers import PY, REPO, last_per_step, metrics, read_latest, run_torchrun, step_dir, tmp_dirs, torchrun_env
 
 pytestmark = pytest.mark.slow
 ARGS = ["--model", "tiny", "--max-steps", "10", "--save-every", "3"]
@@ -31,8 +30,9 @@ def test_killed_worker_resumes_bitwise_equal(baseline, tmp_path):
     the newest committed checkpoint and replay. Every logged step — including the
     replayed ones — has the same loss and LR bits as the uninterrupted run (dropout on,
     so this also proves every RNG stream was restored)."""
-    r = run_torchrun(["--ckpt-root", str(tmp_path), "--run-id", "r", *ARGS], max_restarts=1,
-                     env={"CKPTFLOW_FAULT": "step@7:rank1"})
+    r = run_torchrun(
+        ["--ckpt-root", str(tmp_path), "--run-id", "r", *ARGS], max_restarts=1, env={"CKPTFLOW_FAULT": "step@7:rank1"}
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     run = os.path.join(tmp_path, "r")
     rows = metrics(run)
@@ -66,8 +66,24 @@ def _resume_copy(src_run: str, dst_root, step: int) -> str:
 def baseline_nodrop(tmp_path_factory):
     """No dropout and a global batch of 6, so 1, 2 and 3 ranks see the same global batches."""
     root = tmp_path_factory.mktemp("nodrop")
-    r = run_torchrun(["--ckpt-root", str(root), "--run-id", "r", "--model", "tiny", "--dropout", "0",
-                      "--global-batch", "6", "--max-steps", "8", "--save-every", "4"])
+    r = run_torchrun(
+        [
+            "--ckpt-root",
+            str(root),
+            "--run-id",
+            "r",
+            "--model",
+            "tiny",
+            "--dropout",
+            "0",
+            "--global-batch",
+            "6",
+            "--max-steps",
+            "8",
+            "--save-every",
+            "4",
+        ]
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return os.path.join(root, "r")
 
@@ -83,11 +99,31 @@ def test_resume_at_another_world_size(baseline_nodrop, tmp_path, nproc):
     reduction order differ, so floating-point sums round differently.
     """
     run = _resume_copy(baseline_nodrop, tmp_path, 4)
-    args = ["--ckpt-root", str(tmp_path), "--run-id", "r", "--model", "tiny", "--dropout", "0",
-            "--global-batch", "6", "--max-steps", "8", "--save-every", "4"]
+    args = [
+        "--ckpt-root",
+        str(tmp_path),
+        "--run-id",
+        "r",
+        "--model",
+        "tiny",
+        "--dropout",
+        "0",
+        "--global-batch",
+        "6",
+        "--max-steps",
+        "8",
+        "--save-every",
+        "4",
+    ]
     if nproc == 1:
-        r = subprocess.run([PY, "-m", "ckptflow.trainer.train", *args], cwd=REPO, env=torchrun_env(),
-                           capture_output=True, text=True, timeout=300)
+        r = subprocess.run(
+            [PY, "-m", "ckptflow.trainer.train", *args],
+            cwd=REPO,
+            env=torchrun_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     else:
         r = run_torchrun(args, nproc=nproc)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -100,8 +136,14 @@ def test_resume_at_another_world_size(baseline_nodrop, tmp_path, nproc):
         assert math.isclose(x["loss"], b["loss"], rel_tol=1e-5), (x, b)
     # The restored state itself is exact, at this world size too.
     if nproc == 1:
-        s = subprocess.run([PY, "-m", "ckptflow.trainer.sanity", step_dir(run, 4)], cwd=REPO, env=torchrun_env(),
-                           capture_output=True, text=True, timeout=300)
+        s = subprocess.run(
+            [PY, "-m", "ckptflow.trainer.sanity", step_dir(run, 4)],
+            cwd=REPO,
+            env=torchrun_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         out = json.loads(s.stdout)
     else:
         res = tmp_path / "sanity.json"

@@ -13,25 +13,30 @@ import time
 import boto3
 import pytest
 
-from tests.helpers import PY, REPO, free_port, make_run, run_torchrun, torchrun_env
-from tests.helpers import flip_byte, step_dir, write_config
 from ckptflow.trainer import layout
 from ckptflow.trainer.resume import find_resume_point
+from tests.helpers import PY, REPO, flip_byte, free_port, make_run, run_torchrun, step_dir, torchrun_env, write_config
 
 pytestmark = pytest.mark.slow
 
 
 def cold_steps(s3_endpoint, bucket, run_id) -> set[int]:
     s3 = boto3.client("s3", endpoint_url=s3_endpoint)
-    keys = [o["Key"] for p in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"ckpt/{run_id}/")
-            for o in p.get("Contents", [])]
+    keys = [
+        o["Key"]
+        for p in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"ckpt/{run_id}/")
+        for o in p.get("Contents", [])
+    ]
     return {layout.parse_step(k.split("/")[2]) for k in keys if k.endswith("/" + layout.COMMIT_MARKER)}
 
 
 def cold_objects(s3_endpoint, bucket) -> dict[str, str]:
     s3 = boto3.client("s3", endpoint_url=s3_endpoint)
-    return {o["Key"]: str(o["LastModified"]) for p in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket)
-            for o in p.get("Contents", [])}
+    return {
+        o["Key"]: str(o["LastModified"])
+        for p in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket)
+        for o in p.get("Contents", [])
+    }
 
 
 def committed(path) -> set[int]:
@@ -60,27 +65,37 @@ def test_training_commits_trigger_lifecycles_end_to_end(prefect_api, s3_endpoint
     cfg = write_config(tmp_path, hot, s3_endpoint, s3_bucket)
     env = dict(torchrun_env(), PREFECT_API_URL=prefect_api, PREFECT_SERVER_ANALYTICS_ENABLED="false")
     log = open(tmp_path / "serve.log", "w")
-    srv = subprocess.Popen([PY, "-m", "ckptflow.flows.serve", "--config", cfg, "--reconcile-every", "3600"], cwd=REPO,
-                           env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    srv = subprocess.Popen(
+        [PY, "-m", "ckptflow.flows.serve", "--config", cfg, "--reconcile-every", "3600"],
+        cwd=REPO,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         time.sleep(8)  # the runner registers its deployments and triggers
-        r = run_torchrun(["--ckpt-root", str(hot), "--run-id", "e2e", "--model", "tiny", "--max-steps", "8",
-                          "--save-every", "2"], env={"PREFECT_API_URL": prefect_api})
+        r = run_torchrun(
+            ["--ckpt-root", str(hot), "--run-id", "e2e", "--model", "tiny", "--max-steps", "8", "--save-every", "2"],
+            env={"PREFECT_API_URL": prefect_api},
+        )
         assert r.returncode == 0, r.stderr[-3000:]
         runs = wait_for_runs("lifecycle-e2e-step", 4)
     finally:
         srv.terminate()
         srv.wait(30)
     states = {x.name: x.state_type.value for x in runs}
-    assert states == {f"lifecycle-e2e-step{s}": "COMPLETED" for s in (2, 4, 6, 8)}, \
-        (states, (tmp_path / "serve.log").read_text()[-3000:])
+    assert states == {f"lifecycle-e2e-step{s}": "COMPLETED" for s in (2, 4, 6, 8)}, (
+        states,
+        (tmp_path / "serve.log").read_text()[-3000:],
+    )
     run = hot / "e2e"
     for s in (2, 4, 6, 8):
         rec = json.loads((run / "_lifecycle" / layout.step_name(s) / "verified.json").read_text())
         assert rec["sanity"]["probe_match"] == "bitwise" and rec["expectations"]["success"]
         assert (run / "_lifecycle" / layout.step_name(s) / "archived.json").exists()
-    assert committed(run) == {6, 8}                                # hot keep_last 2
-    assert committed(tmp_path / "warm" / "e2e") == {6, 8}          # warm keep_last 2
+    assert committed(run) == {6, 8}  # hot keep_last 2
+    assert committed(tmp_path / "warm" / "e2e") == {6, 8}  # warm keep_last 2
     assert cold_steps(s3_endpoint, s3_bucket, "e2e") == {4, 6, 8}  # cold keep_last 3
 
 
@@ -106,8 +121,10 @@ def test_lifecycle_twice_does_nothing_twice(prefect_api, s3_endpoint, s3_bucket,
 def test_lifecycle_killed_half_way_finishes_on_rerun(prefect_api, s3_endpoint, s3_bucket, tmp_path, run_copy):
     """SIGKILL right after the first object of the archive; the re-run uploads only the rest."""
     cfg = write_config(tmp_path, run_copy, s3_endpoint, s3_bucket, hot_keep=5, warm_keep=5, cold_keep=5)
-    code = ("from ckptflow.flows.lifecycle import lifecycle; import sys; "
-            f"lifecycle(run_id='tiny', step=6, uri='{step_dir(run_copy / 'tiny', 6)}', config='{cfg}')")
+    code = (
+        "from ckptflow.flows.lifecycle import lifecycle; import sys; "
+        f"lifecycle(run_id='tiny', step=6, uri='{step_dir(run_copy / 'tiny', 6)}', config='{cfg}')"
+    )
     env = dict(torchrun_env(), PREFECT_API_URL=prefect_api, CKPTFLOW_FAULT="archive.uploaded@6")
     r = subprocess.run([PY, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == -9, r.stderr[-2000:]
@@ -125,7 +142,8 @@ def test_lifecycle_killed_half_way_finishes_on_rerun(prefect_api, s3_endpoint, s
 
 
 def test_corrupted_shard_is_quarantined_never_promoted_and_skipped_by_resume(
-        prefect_api, s3_endpoint, s3_bucket, tmp_path, run_copy):
+    prefect_api, s3_endpoint, s3_bucket, tmp_path, run_copy
+):
     from ckptflow.flows.lifecycle import lifecycle
 
     cfg = write_config(tmp_path, run_copy, s3_endpoint, s3_bucket, hot_keep=5)
@@ -178,12 +196,16 @@ json.dump(m, open(ckpt + "/manifest.json", "w"))
     assert r.returncode == 0, r.stderr[-3000:]
 
 
-@pytest.mark.parametrize("tamper,caught_by", [
-    ("w.mul_(1.5)", "sanity"),                  # plausible values, wrong model: probe loss differs
-    ("w.view(-1)[7] = float('nan')", "sanity"),  # a NaN: the probe loss and expectations both object
-])
-def test_tampered_tensor_with_valid_checksums_is_caught(prefect_api, s3_endpoint, s3_bucket, tmp_path, run_copy,
-                                                        tamper, caught_by):
+@pytest.mark.parametrize(
+    "tamper,caught_by",
+    [
+        ("w.mul_(1.5)", "sanity"),  # plausible values, wrong model: probe loss differs
+        ("w.view(-1)[7] = float('nan')", "sanity"),  # a NaN: the probe loss and expectations both object
+    ],
+)
+def test_tampered_tensor_with_valid_checksums_is_caught(
+    prefect_api, s3_endpoint, s3_bucket, tmp_path, run_copy, tamper, caught_by
+):
     from ckptflow.flows.lifecycle import lifecycle
     from ckptflow.trainer.verify import verify_checkpoint
 
@@ -200,9 +222,19 @@ def test_expectations_catch_what_the_probe_cannot(tmp_path):
     """Statistics-level checks alone: a negative Adam second moment and a NaN."""
     from ckptflow.tasks.expectations import validate
 
-    ok = [{"name": "w", "kind": "param", "numel": 4, "finite_frac": 1.0, "norm": 1.0, "min": -1, "max": 1, "mean": 0},
-          {"name": "w.exp_avg_sq", "kind": "exp_avg_sq", "numel": 4, "finite_frac": 1.0, "norm": 1e-3, "min": 0.0,
-           "max": 1e-3, "mean": 1e-4}]
+    ok = [
+        {"name": "w", "kind": "param", "numel": 4, "finite_frac": 1.0, "norm": 1.0, "min": -1, "max": 1, "mean": 0},
+        {
+            "name": "w.exp_avg_sq",
+            "kind": "exp_avg_sq",
+            "numel": 4,
+            "finite_frac": 1.0,
+            "norm": 1e-3,
+            "min": 0.0,
+            "max": 1e-3,
+            "mean": 1e-4,
+        },
+    ]
     assert validate(ok, ok, step=4, prev_step=2, max_norm_change=0.5).success
     neg = [dict(ok[0]), dict(ok[1], min=-1e-9)]
     rep = validate(neg, ok, step=4, prev_step=2, max_norm_change=0.5)
@@ -218,8 +250,7 @@ def test_reconcile_processes_commits_missed_while_the_server_was_down(prefect_ap
     from ckptflow.flows.reconcile import reconcile
 
     hot = tmp_path / "hot"
-    cfg = write_config(tmp_path, hot, s3_endpoint, s3_bucket, hot_keep=5, warm_keep=5, cold_keep=5,
-                       sanity=False)
+    cfg = write_config(tmp_path, hot, s3_endpoint, s3_bucket, hot_keep=5, warm_keep=5, cold_keep=5, sanity=False)
     # Training while "the server is down": events go to a port nobody listens on.
     make_run(hot, "down", max_steps=4, save_every=2, env={"PREFECT_API_URL": f"http://127.0.0.1:{free_port()}/api"})
     run = hot / "down"
@@ -240,13 +271,14 @@ def test_reconcile_takes_over_a_lifecycle_whose_process_died(prefect_api, s3_end
 
     from ckptflow.flows.reconcile import reconcile
 
-    cfg = write_config(tmp_path, run_copy, s3_endpoint, s3_bucket, hot_keep=5, warm_keep=5, cold_keep=5,
-                       sanity=False)
+    cfg = write_config(tmp_path, run_copy, s3_endpoint, s3_bucket, hot_keep=5, warm_keep=5, cold_keep=5, sanity=False)
     flt = FlowRunFilter(name=FlowRunFilterName(any_=["lifecycle-tiny-step6"]))
     with get_client(sync_client=True) as c:  # other tests of this session used the same name
         earlier = {x.id for x in c.read_flow_runs(flow_run_filter=flt)}
-    code = ("from ckptflow.flows.lifecycle import lifecycle; "
-            f"lifecycle(run_id='tiny', step=6, uri='{step_dir(run_copy / 'tiny', 6)}', config='{cfg}')")
+    code = (
+        "from ckptflow.flows.lifecycle import lifecycle; "
+        f"lifecycle(run_id='tiny', step=6, uri='{step_dir(run_copy / 'tiny', 6)}', config='{cfg}')"
+    )
     env = dict(torchrun_env(), PREFECT_API_URL=prefect_api, CKPTFLOW_FAULT="verify.integrity@6")
     for _ in range(2):  # killed twice: two runs left RUNNING, both must be dealt with
         r = subprocess.run([PY, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -263,8 +295,9 @@ def test_reconcile_takes_over_a_lifecycle_whose_process_died(prefect_api, s3_end
     assert reconcile(config=cfg)["runs"]["tiny"]["processed"] == []  # nothing twice
 
 
-def test_reconcile_leaves_a_queued_lifecycle_to_its_worker_until_the_grace_runs_out(prefect_api, s3_endpoint,
-                                                                                     s3_bucket, tmp_path, run_copy):
+def test_reconcile_leaves_a_queued_lifecycle_to_its_worker_until_the_grace_runs_out(
+    prefect_api, s3_endpoint, s3_bucket, tmp_path, run_copy
+):
     """An event-triggered lifecycle waiting for a worker slot is not stolen; one queued
     longer than ``queued_grace_s`` (no worker will come) is taken over."""
     from prefect.client.orchestration import get_client
@@ -273,12 +306,12 @@ def test_reconcile_leaves_a_queued_lifecycle_to_its_worker_until_the_grace_runs_
     from ckptflow.flows.lifecycle import lifecycle
     from ckptflow.flows.reconcile import reconcile
 
-    cfg = write_config(tmp_path, run_copy, s3_endpoint, s3_bucket, hot_keep=5, warm_keep=5, cold_keep=5,
-                       sanity=False)
+    cfg = write_config(tmp_path, run_copy, s3_endpoint, s3_bucket, hot_keep=5, warm_keep=5, cold_keep=5, sanity=False)
     with get_client(sync_client=True) as c:
         dep = c.create_deployment(flow_id=c.create_flow(lifecycle), name="queued-test")
-        queued = [c.create_flow_run_from_deployment(dep, name=f"lifecycle-tiny-step{s}", state=Scheduled()).id
-                  for s in (4, 6)]
+        queued = [
+            c.create_flow_run_from_deployment(dep, name=f"lifecycle-tiny-step{s}", state=Scheduled()).id for s in (4, 6)
+        ]
         out = reconcile(config=cfg)["runs"]["tiny"]
         assert [x["step"] for x in out["processed"]] == [2] and {4, 6} <= set(out["in_flight"])
         out = reconcile(config=cfg, queued_grace_s=0.0)["runs"]["tiny"]

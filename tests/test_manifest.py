@@ -8,15 +8,16 @@ import shutil
 
 import pytest
 
-from tests.helpers import PY, REPO
 from ckptflow.trainer import layout
 from ckptflow.trainer.errors import ConfigError, ManifestError, UnsafePathError
 from ckptflow.trainer.manifest import KEY_ENV, FileEntry, Manifest
+from tests.helpers import PY, REPO
 
 
 def _m() -> Manifest:
-    return Manifest(run_id="r", step=3, world_size=2,
-                    files={".metadata": FileEntry(10, "aa"), "__0_0.distcp": FileEntry(20, "bb")})
+    return Manifest(
+        run_id="r", step=3, world_size=2, files={".metadata": FileEntry(10, "aa"), "__0_0.distcp": FileEntry(20, "bb")}
+    )
 
 
 def test_round_trip_keeps_everything():
@@ -41,8 +42,7 @@ def test_signed_manifest_accepted_with_key_refused_when_tampered_or_unsigned(mon
     assert Manifest.from_json(_m().to_json(), source="x").signature is not None
 
 
-@pytest.mark.parametrize("name", ["/abs", "../up", "a/../../b", "", "a//b", "./x", "s3://b/k",
-                                  "C:\\x", "a\x00b"])
+@pytest.mark.parametrize("name", ["/abs", "../up", "a/../../b", "", "a//b", "./x", "s3://b/k", "C:\\x", "a\x00b"])
 def test_unsafe_member_names_are_refused(name):
     with pytest.raises(UnsafePathError):
         layout.check_member_name(name)
@@ -52,8 +52,9 @@ def test_unsafe_member_names_are_refused(name):
         Manifest.from_json(json.dumps(d).encode(), source="/c/manifest.json", key=b"")
 
 
-@pytest.mark.parametrize("bad", [b"", b"[]", b'{"format": "other"}',
-                                 b'{"format": "ckptflow.manifest", "format_version": 99}'])
+@pytest.mark.parametrize(
+    "bad", [b"", b"[]", b'{"format": "other"}', b'{"format": "ckptflow.manifest", "format_version": 99}']
+)
 def test_not_a_manifest(bad):
     with pytest.raises(ManifestError):
         Manifest.from_json(bad, source="/c/manifest.json", key=b"")
@@ -85,8 +86,12 @@ def test_symlink_out_of_checkpoint_is_refused(tiny_run, tmp_path):
 def test_cli_verify_exit_codes(tiny_run, tmp_path):
     import subprocess
 
-    ok = subprocess.run([PY, "-m", "ckptflow.cli.main", "verify", os.path.join(tiny_run, layout.step_name(6))],
-                        cwd=REPO, capture_output=True, text=True)
+    ok = subprocess.run(
+        [PY, "-m", "ckptflow.cli.main", "verify", os.path.join(tiny_run, layout.step_name(6))],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert ok.returncode == 0 and ok.stdout.startswith("OK ")
     run = tmp_path / "r"
     shutil.copytree(tiny_run, run)
@@ -95,8 +100,9 @@ def test_cli_verify_exit_codes(tiny_run, tmp_path):
     (d / shard).write_bytes(b"x")
     bad = subprocess.run([PY, "-m", "ckptflow.cli.main", "verify", str(d)], cwd=REPO, capture_output=True, text=True)
     assert bad.returncode == 1 and shard in bad.stderr and "size" in bad.stderr
-    js = subprocess.run([PY, "-m", "ckptflow.cli.main", "verify", "--json", str(d)], cwd=REPO,
-                        capture_output=True, text=True)
+    js = subprocess.run(
+        [PY, "-m", "ckptflow.cli.main", "verify", "--json", str(d)], cwd=REPO, capture_output=True, text=True
+    )
     assert json.loads(js.stdout)["ok"] is False
 
 

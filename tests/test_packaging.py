@@ -16,8 +16,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
-LAYERS = {"ckptflow": "ckptflow", "ckptflow.trainer": "trainer", "ckptflow.tasks": "tasks",
-          "ckptflow.flows": "flows"}
+LAYERS = {"ckptflow": "ckptflow", "ckptflow.trainer": "trainer", "ckptflow.tasks": "tasks", "ckptflow.flows": "flows"}
 
 
 def _py(code: str, cwd: str, **env: str) -> subprocess.CompletedProcess:
@@ -36,8 +35,10 @@ def user_project(tmp_path):
 
 
 def test_the_integration_line_and_the_cli_work_beside_a_users_trainer_tasks_and_flows(user_project):
-    r = _py("from ckptflow import CheckpointManager, CheckpointConfig, Provenance; print(CheckpointManager)",
-            str(user_project))
+    r = _py(
+        "from ckptflow import CheckpointManager, CheckpointConfig, Provenance; print(CheckpointManager)",
+        str(user_project),
+    )
     assert r.returncode == 0, r.stderr
     assert "ckptflow.trainer.checkpointer.CheckpointManager" in r.stdout
     ckptflow = os.path.join(os.path.dirname(PY), "ckptflow")
@@ -48,8 +49,11 @@ def test_the_integration_line_and_the_cli_work_beside_a_users_trainer_tasks_and_
 
 def test_importing_ckptflow_is_cheap(user_project):
     """The namespace root loads neither torch nor prefect nor a layer until a name is used."""
-    r = _py("import sys, ckptflow; heavy = [m for m in ('torch', 'prefect', 'great_expectations', "
-            "'ckptflow.trainer') if m in sys.modules]; print(heavy)", str(user_project))
+    r = _py(
+        "import sys, ckptflow; heavy = [m for m in ('torch', 'prefect', 'great_expectations', "
+        "'ckptflow.trainer') if m in sys.modules]; print(heavy)",
+        str(user_project),
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
 
@@ -105,12 +109,17 @@ def test_every_package_folder_is_listed_in_pyproject():
 @pytest.mark.slow
 def test_pip_installs_only_the_ckptflow_namespace(tmp_path):
     target = tmp_path / "site"
-    r = subprocess.run([PY, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), REPO],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [PY, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), REPO],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     top = sorted(n for n in os.listdir(target) if n not in ("bin",))
-    assert top[0] == "ckptflow" and len(top) == 2 and top[1].startswith("ckptflow-") and \
-        top[1].endswith(".dist-info"), top
+    assert (
+        top[0] == "ckptflow" and len(top) == 2 and top[1].startswith("ckptflow-") and top[1].endswith(".dist-info")
+    ), top
     # every module of the source tree made it, under its namespaced path
     for pkg, folder in LAYERS.items():
         for dirpath, _dirs, names in os.walk(os.path.join(REPO, folder)):
@@ -122,6 +131,10 @@ def test_pip_installs_only_the_ckptflow_namespace(tmp_path):
                 if n.endswith(".py"):
                     assert os.path.exists(os.path.join(dest, n)), (pkg, rel, n)
     # and the installed copy imports from there, beside nothing else of ours
-    r = _py("import ckptflow.trainer.layout as l, ckptflow.cli.main; print(l.__file__)", str(tmp_path),
-            PYTHONPATH=str(target), PYTHONNOUSERSITE="1")
+    r = _py(
+        "import ckptflow.trainer.layout as l, ckptflow.cli.main; print(l.__file__)",
+        str(tmp_path),
+        PYTHONPATH=str(target),
+        PYTHONNOUSERSITE="1",
+    )
     assert r.returncode == 0 and r.stdout.startswith(str(target)), r.stdout + r.stderr

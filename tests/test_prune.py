@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 
 import pytest
 
@@ -61,8 +62,13 @@ def test_protections_win_over_the_policy_on_a_real_tier(hot):
         rep = prune(hot, "tiny", KeepLastN(1))
     assert rep.deleted == [2, 14] and rep.errors == {}
     assert hot.committed_steps("tiny") == [12, 10, 8, 6, 4]
-    assert rep.kept == {4: ["pinned"], 6: ["named by latest"], 8: ["leased by a reader"],
-                        10: ["newest verified checkpoint"], 12: ["one of the last 1"]}
+    assert rep.kept == {
+        4: ["pinned"],
+        6: ["named by latest"],
+        8: ["leased by a reader"],
+        10: ["newest verified checkpoint"],
+        12: ["one of the last 1"],
+    }
     run = hot.url_for("tiny")
     assert not [n for n in os.listdir(run) if n.endswith(".deleting")]
     assert any("keep   step_000000004: pinned" in line for line in rep.lines())
@@ -78,15 +84,16 @@ def test_dry_run_deletes_nothing_and_reports_the_plan(hot):
 
 def test_caller_protected_steps_and_expired_leases(hot):
     write_lease(hot, "tiny", 2, "long-gone drill", ttl_s=0.001)  # expired: protects nothing
+    time.sleep(0.01)  # (a fast prune ran within the lease's millisecond)
     rep = prune(hot, "tiny", KeepEveryKSteps(4), protected_steps=[10])
-    assert rep.deleted == [2] and 10 in rep.kept and "protected by the caller" in rep.kept[10]
+    assert rep.deleted == [2] and 10 in rep.kept and "protected by the caller" in rep.kept[10], rep
     assert hot.committed_steps("tiny") == [14, 12, 10, 8, 6, 4]
 
 
 def test_keep_best_reads_metrics_from_manifests(tiny_run, tmp_path):
     run = str(tmp_path / "hot" / "tiny")
     shutil.copytree(tiny_run, run)
-    clone_step(run, 6, 8, loss=0.1)   # the best one
+    clone_step(run, 6, 8, loss=0.1)  # the best one
     clone_step(run, 6, 10, loss=9.0)
     hot = Tier(TierConfig(name="hot", url=str(tmp_path / "hot")))
     infos = {c.step: c for c in checkpoint_infos(hot, "tiny", needs_metrics=True)}
@@ -137,7 +144,7 @@ def test_prune_on_warm_and_cold_treats_tier_copies_as_verified(hot, tmp_path, s3
         rep = prune(tier, "tiny", KeepLastN(1))
         assert rep.deleted == [4] and tier.committed_steps("tiny") == [6, 2]
         assert rep.kept[6] == ["newest verified checkpoint", "one of the last 1"]
-    keys = [k for k in cold.fs.find(cold.url_for("tiny"))]
+    keys = list(cold.fs.find(cold.url_for("tiny")))
     assert not [k for k in keys if layout.step_name(4) in k]
 
 

@@ -9,9 +9,31 @@ from tests.helpers import PY, REPO, make_run, torchrun_env
 
 
 def _train(root, *extra):
-    return subprocess.run([PY, "-m", "ckptflow.trainer.train", "--parallel", "none", "--ckpt-root", str(root), "--run-id",
-                           "r", "--model", "tiny", "--max-steps", "6", "--save-every", "2", *extra],
-                          cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [
+            PY,
+            "-m",
+            "ckptflow.trainer.train",
+            "--parallel",
+            "none",
+            "--ckpt-root",
+            str(root),
+            "--run-id",
+            "r",
+            "--model",
+            "tiny",
+            "--max-steps",
+            "6",
+            "--save-every",
+            "2",
+            *extra,
+        ],
+        cwd=REPO,
+        env=torchrun_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_config_mismatch_is_refused_with_both_values_and_can_be_overridden(tmp_path):
@@ -58,7 +80,8 @@ SCRIPT = textwrap.dedent("""
     expect = (random.random(), float(np.random.rand()), float(torch.rand(1)))
     m2, o2, s2, g2 = build(); smp2 = Sampler()
     random.seed(0); np.random.seed(0); torch.manual_seed(0)
-    ck2 = CheckpointManager(cfg, model=m2, optimizer=o2, scheduler=s2, scaler=g2, sampler=smp2, provenance=prov, env=env)
+    ck2 = CheckpointManager(cfg, model=m2, optimizer=o2, scheduler=s2, scaler=g2, sampler=smp2,
+                        provenance=prov, env=env)
     assert ck2.load() == 3
     assert torch.equal(m.weight, m2.weight)
     assert s2.get_last_lr() == s.get_last_lr() and s2.last_epoch == 2
@@ -73,6 +96,12 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_scheduler_scaler_sampler_and_rng_round_trip(tmp_path):
-    r = subprocess.run([PY, "-c", SCRIPT], cwd=REPO, env=torchrun_env({"ROOT": str(tmp_path)}),
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [PY, "-c", SCRIPT],
+        cwd=REPO,
+        env=torchrun_env({"ROOT": str(tmp_path)}),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]

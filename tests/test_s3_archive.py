@@ -30,15 +30,25 @@ def hot(tiny_run, tmp_path) -> Tier:
 
 
 def cold_tier(endpoint: str, bucket: str, codec: str = "zstd", **kw) -> Tier:
-    return Tier(TierConfig(name="cold", url=f"s3://{bucket}/archive", codec=codec,
-                           endpoint_url=endpoint, multipart_chunksize_mb=5, **kw))
+    return Tier(
+        TierConfig(
+            name="cold",
+            url=f"s3://{bucket}/archive",
+            codec=codec,
+            endpoint_url=endpoint,
+            multipart_chunksize_mb=5,
+            **kw,
+        )
+    )
 
 
 def objects(endpoint: str, bucket: str) -> dict[str, dict]:
     """key -> {size, etag, last_modified} of everything in the bucket."""
     c = boto3.client("s3", endpoint_url=endpoint)
-    return {o["Key"]: {"size": o["Size"], "etag": o["ETag"], "mtime": o["LastModified"]}
-            for o in c.list_objects_v2(Bucket=bucket).get("Contents", [])}
+    return {
+        o["Key"]: {"size": o["Size"], "etag": o["ETag"], "mtime": o["LastModified"]}
+        for o in c.list_objects_v2(Bucket=bucket).get("Contents", [])
+    }
 
 
 def key(step: int, name: str) -> str:
@@ -48,12 +58,12 @@ def key(step: int, name: str) -> str:
 def same_as_hot(dst: str, hot: Tier, step: int) -> bool:
     src = hot.url_for("tiny", step)
     return sorted(os.listdir(dst)) == sorted(os.listdir(src)) and all(
-        filecmp.cmp(os.path.join(dst, n), os.path.join(src, n), shallow=False) for n in os.listdir(src))
+        filecmp.cmp(os.path.join(dst, n), os.path.join(src, n), shallow=False) for n in os.listdir(src)
+    )
 
 
 @pytest.mark.parametrize("codec", ["none", "zstd"])
-def test_archive_then_fetch_is_byte_exact_with_policy_on_every_object(hot, s3_endpoint, s3_bucket,
-                                                                     tmp_path, codec):
+def test_archive_then_fetch_is_byte_exact_with_policy_on_every_object(hot, s3_endpoint, s3_bucket, tmp_path, codec):
     cold = cold_tier(s3_endpoint, s3_bucket, codec, storage_class="STANDARD_IA")
     r = archive(hot, cold, "tiny", 6)
     assert (r.files, r.skipped_files, r.uri) == (2, 0, cold.url_for("tiny", 6))
@@ -67,8 +77,10 @@ def test_archive_then_fetch_is_byte_exact_with_policy_on_every_object(hot, s3_en
     tags = c.get_object_tagging(Bucket=s3_bucket, Key=key(6, "__0_0.distcp" + suffix))["TagSet"]
     assert {t["Key"]: t["Value"] for t in tags} == {"ckptflow-run": "tiny", "ckptflow-step": "6"}
     # the records stay STANDARD so the tier can always be listed and read
-    assert "StorageClass" not in c.head_object(Bucket=s3_bucket, Key=key(6, layout.COMMIT_MARKER)) or \
-        c.head_object(Bucket=s3_bucket, Key=key(6, layout.COMMIT_MARKER))["StorageClass"] == "STANDARD"
+    assert (
+        "StorageClass" not in c.head_object(Bucket=s3_bucket, Key=key(6, layout.COMMIT_MARKER))
+        or c.head_object(Bucket=s3_bucket, Key=key(6, layout.COMMIT_MARKER))["StorageClass"] == "STANDARD"
+    )
     f = fetch(cold, "tiny", 6, str(tmp_path / "out"), threads=2)
     assert same_as_hot(f.dst_dir, hot, 6) and verify_checkpoint(f.dst_dir).ok
     assert f.download_seconds > 0 and f.bytes_stored == r.bytes_stored
@@ -83,8 +95,7 @@ def test_archive_twice_uploads_nothing_the_second_time(hot, s3_endpoint, s3_buck
     assert objects(s3_endpoint, s3_bucket) == before  # not one object rewritten
 
 
-def test_an_interrupted_archive_is_never_committed_and_resumes_with_the_rest(hot, s3_endpoint, s3_bucket,
-                                                                             tmp_path):
+def test_an_interrupted_archive_is_never_committed_and_resumes_with_the_rest(hot, s3_endpoint, s3_bucket, tmp_path):
     cold = cold_tier(s3_endpoint, s3_bucket)
 
     def die_after_first_object(phase: str) -> None:
@@ -171,8 +182,7 @@ def test_archive_from_warm_copies_stored_bytes_or_transcodes(hot, s3_endpoint, s
     w = warm.read_index("tiny", 6).files["__0_0.distcp"]
     c = same.read_index("tiny", 6).files["__0_0.distcp"]
     assert (c.stored_name, c.stored_size, c.stored_checksum) == (w.stored_name, w.stored_size, w.stored_checksum)
-    other = Tier(TierConfig(name="cold2", url=f"s3://{s3_bucket}/other", codec="bytegroup",
-                            endpoint_url=s3_endpoint))
+    other = Tier(TierConfig(name="cold2", url=f"s3://{s3_bucket}/other", codec="bytegroup", endpoint_url=s3_endpoint))
     r = archive(warm, other, "tiny", 6)  # zstd -> raw -> bytegroup, streaming through a pipe
     assert other.read_index("tiny", 6).files["__0_0.distcp"].stored_name == "__0_0.distcp.ckz"
     assert r.files == 2
@@ -212,11 +222,20 @@ def test_big_files_go_multipart_and_round_trip(s3_endpoint, s3_bucket, tmp_path)
     files = {n: FileEntry(*reversed(hash_file(str(ck / n)))) for n in os.listdir(ck)}
     (ck / layout.MANIFEST).write_bytes(Manifest(run_id="big", step=1, world_size=1, files=files).to_json())
     hot = Tier(TierConfig(name="hot", url=str(tmp_path / "hot")))
-    cold = Tier(TierConfig(name="cold", url=f"s3://{s3_bucket}/mp", codec="none", endpoint_url=s3_endpoint,
-                           multipart_chunksize_mb=5, max_concurrency=4))
+    cold = Tier(
+        TierConfig(
+            name="cold",
+            url=f"s3://{s3_bucket}/mp",
+            codec="none",
+            endpoint_url=s3_endpoint,
+            multipart_chunksize_mb=5,
+            max_concurrency=4,
+        )
+    )
     r = archive(hot, cold, "big", 1)
     etag = boto3.client("s3", endpoint_url=s3_endpoint).head_object(
-        Bucket=s3_bucket, Key=f"mp/big/{layout.step_name(1)}/__0_0.distcp")["ETag"]
+        Bucket=s3_bucket, Key=f"mp/big/{layout.step_name(1)}/__0_0.distcp"
+    )["ETag"]
     assert etag.strip('"').endswith("-3") and r.bytes_moved >= 12 << 20
     out = fetch(cold, "big", 1, str(tmp_path / "out"))
     assert filecmp.cmp(os.path.join(out.dst_dir, "__0_0.distcp"), str(ck / "__0_0.distcp"), shallow=False)
@@ -225,14 +244,16 @@ def test_big_files_go_multipart_and_round_trip(s3_endpoint, s3_bucket, tmp_path)
 def test_the_tier_index_records_raw_and_stored_digests(hot, s3_endpoint, s3_bucket):
     cold = cold_tier(s3_endpoint, s3_bucket)
     archive(hot, cold, "tiny", 6)
-    raw = boto3.client("s3", endpoint_url=s3_endpoint).get_object(
-        Bucket=s3_bucket, Key=key(6, layout.TIER_MANIFEST))["Body"].read()
+    raw = (
+        boto3.client("s3", endpoint_url=s3_endpoint)
+        .get_object(Bucket=s3_bucket, Key=key(6, layout.TIER_MANIFEST))["Body"]
+        .read()
+    )
     d = json.loads(raw)
     assert d["format"] == "ckptflow.tier-index" and d["codec"] == "zstd"
     man = hot.read_manifest("tiny", 6)
     for name, e in d["files"].items():
         assert (e["size"], e["checksum"]) == (man.files[name].size, man.files[name].checksum)
         assert e["stored_name"] == name + ".zst"
-        head = boto3.client("s3", endpoint_url=s3_endpoint).head_object(
-            Bucket=s3_bucket, Key=key(6, e["stored_name"]))
+        head = boto3.client("s3", endpoint_url=s3_endpoint).head_object(Bucket=s3_bucket, Key=key(6, e["stored_name"]))
         assert head["ContentLength"] == e["stored_size"] and head["Metadata"][META_STORED] == e["stored_checksum"]

@@ -23,12 +23,11 @@ import pytest
 
 from ckptflow.tasks.config import TierConfig
 from ckptflow.tasks.storage import Tier
-from tests.helpers import PY, REPO, free_port, make_run, torchrun_env
-from tests.helpers import step_dir
 from ckptflow.trainer import layout
 from ckptflow.trainer.checksum import hash_file
 from ckptflow.trainer.errors import CheckpointNotFoundError, CkptflowError, IntegrityError, UnsafePathError
 from ckptflow.trainer.manifest import KEY_BLOCK_ENV, KEY_ENV
+from tests.helpers import PY, REPO, free_port, make_run, step_dir, torchrun_env
 
 pytestmark = pytest.mark.slow
 KEY = "ckptflow-test-signing-key-0123456789"
@@ -79,12 +78,12 @@ def _edit_training_meta(run: str) -> None:
 
 def _every_reader(run: str, tmp_path, cold: Tier | None) -> dict[str, object]:
     """Run each code path that reads checkpoint 6 of ``run``; what each returned or raised."""
-    from ckptflow.tasks.codec.tool import compress_dir
-    from ckptflow.tasks.drill import drill_one
-    from ckptflow.tasks.transfer import archive, fetch, promote, restore
     from ckptflow.tasks.checkpoint import CheckpointRef
+    from ckptflow.tasks.codec.tool import compress_dir
     from ckptflow.tasks.config import CkptflowConfig
+    from ckptflow.tasks.drill import drill_one
     from ckptflow.tasks.stages import VERIFY, run_stage
+    from ckptflow.tasks.transfer import archive, fetch, promote, restore
     from ckptflow.trainer.resume import find_resume_point
 
     root, run_id = os.path.dirname(run), os.path.basename(run)
@@ -99,10 +98,28 @@ def _every_reader(run: str, tmp_path, cold: Tier | None) -> dict[str, object]:
             out[name] = e
 
     attempt("resume", lambda: find_resume_point(run))
-    attempt("verify_cli", lambda: subprocess.run([PY, "-m", "ckptflow.cli.main", "verify", step_dir(run, 6)], cwd=REPO,
-                                                 env=torchrun_env(), capture_output=True, text=True, timeout=120))
-    attempt("sanity", lambda: subprocess.run([PY, "-m", "ckptflow.trainer.sanity", step_dir(run, 6)], cwd=REPO,
-                                             env=torchrun_env(), capture_output=True, text=True, timeout=300))
+    attempt(
+        "verify_cli",
+        lambda: subprocess.run(
+            [PY, "-m", "ckptflow.cli.main", "verify", step_dir(run, 6)],
+            cwd=REPO,
+            env=torchrun_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        ),
+    )
+    attempt(
+        "sanity",
+        lambda: subprocess.run(
+            [PY, "-m", "ckptflow.trainer.sanity", step_dir(run, 6)],
+            cwd=REPO,
+            env=torchrun_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        ),
+    )
     attempt("promote", lambda: promote(hot, warm, run_id, 6))
     if cold is not None:
         attempt("archive", lambda: archive(hot, cold, run_id, 6))
@@ -113,15 +130,39 @@ def _every_reader(run: str, tmp_path, cold: Tier | None) -> dict[str, object]:
     # last but one: a failed verify stage quarantines step 6, which restore then skips for that reason
     ref = CheckpointRef(CkptflowConfig(hot=TierConfig(name="hot", url=root)), run_id, 6)
     attempt("lifecycle_verify", lambda: run_stage(VERIFY, ref))
-    attempt("training_resume", lambda: subprocess.run(
-        [PY, "-m", "ckptflow.trainer.train", "--parallel", "none", "--ckpt-root", root, "--run-id", run_id, "--model", "tiny",
-         "--max-steps", "8", "--save-every", "2"], cwd=REPO, env=torchrun_env(), capture_output=True, text=True,
-        timeout=300))
+    attempt(
+        "training_resume",
+        lambda: subprocess.run(
+            [
+                PY,
+                "-m",
+                "ckptflow.trainer.train",
+                "--parallel",
+                "none",
+                "--ckpt-root",
+                root,
+                "--run-id",
+                run_id,
+                "--model",
+                "tiny",
+                "--max-steps",
+                "8",
+                "--save-every",
+                "2",
+            ],
+            cwd=REPO,
+            env=torchrun_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        ),
+    )
     return out
 
 
-def _assert_step6_refused(out: dict[str, object], run: str, why: str, *, fallback: int | None,
-                          fetch_why: str | None = None) -> None:
+def _assert_step6_refused(
+    out: dict[str, object], run: str, why: str, *, fallback: int | None, fetch_why: str | None = None
+) -> None:
     """Every reader refused step 6 (naming ``why``; readers that fetch name ``fetch_why``, the
     damaged file) and, where it falls back, fell back."""
     fetch_why = fetch_why or why
@@ -150,8 +191,10 @@ def _assert_step6_refused(out: dict[str, object], run: str, why: str, *, fallbac
 
 # ---- nothing is unpickled before it verifies ------------------------------------------------
 
-def test_a_malicious_metadata_never_runs_while_the_manifest_is_intact(tiny_run, tmp_path, monkeypatch,
-                                                                     s3_endpoint, s3_bucket):
+
+def test_a_malicious_metadata_never_runs_while_the_manifest_is_intact(
+    tiny_run, tmp_path, monkeypatch, s3_endpoint, s3_bucket
+):
     monkeypatch.delenv(KEY_ENV, raising=False)
     run = _copy(tiny_run, tmp_path)
     marker = str(tmp_path / "PWNED")
@@ -165,9 +208,9 @@ def test_a_malicious_metadata_never_runs_while_the_manifest_is_intact(tiny_run, 
     assert layout.DCP_METADATA in str(out["codec_tool"]) and "refusing to parse" in str(out["codec_tool"])
 
 
-def test_a_malicious_metadata_with_a_forged_manifest_is_refused_when_signing_is_on(signed_run, tmp_path,
-                                                                                  monkeypatch, s3_endpoint,
-                                                                                  s3_bucket):
+def test_a_malicious_metadata_with_a_forged_manifest_is_refused_when_signing_is_on(
+    signed_run, tmp_path, monkeypatch, s3_endpoint, s3_bucket
+):
     """The attacker recomputes the checksum into the manifest but cannot sign it."""
     monkeypatch.setenv(KEY_ENV, KEY)
     run = _copy(signed_run, tmp_path)
@@ -184,7 +227,8 @@ def test_a_malicious_metadata_with_a_forged_manifest_is_refused_when_signing_is_
 
 @pytest.mark.parametrize("case", ["unsigned", "tampered"])
 def test_with_a_key_configured_unsigned_or_tampered_manifests_are_refused_everywhere(
-        case, tiny_run, signed_run, tmp_path, monkeypatch):
+    case, tiny_run, signed_run, tmp_path, monkeypatch
+):
     monkeypatch.setenv(KEY_ENV, KEY)
     if case == "unsigned":  # every checkpoint of the run: nothing to fall back to
         run = _copy(tiny_run, tmp_path)
@@ -219,8 +263,10 @@ def test_the_key_can_come_from_a_prefect_secret_block(prefect_api, signed_run, t
         hot = tmp_path / f"hot-{expect}"
         shutil.copytree(src, hot / os.path.basename(src))
         cfg = tmp_path / f"{expect}.toml"
-        cfg.write_text(f'[hot]\nurl = "{hot}"\n[hot.retention]\nkeep_last = 5\n[warm]\nurl = "{tmp_path / expect}"\n'
-                       'codec = "zstd"\n[lifecycle]\nsanity_step = true\n')
+        cfg.write_text(
+            f'[hot]\nurl = "{hot}"\n[hot.retention]\nkeep_last = 5\n[warm]\nurl = "{tmp_path / expect}"\n'
+            'codec = "zstd"\n[lifecycle]\nsanity_step = true\n'
+        )
         os.environ.pop(KEY_ENV, None)  # resolve from the block afresh for each flow run
         out = lifecycle(run_id=os.path.basename(src), step=6, config=str(cfg))
         assert out["status"] == expect, out
@@ -231,6 +277,7 @@ def test_the_key_can_come_from_a_prefect_secret_block(prefect_api, signed_run, t
 
 
 # ---- names, symlinks, keys outside the run ----------------------------------------------------
+
 
 def test_manifest_names_that_escape_are_refused_by_every_local_reader(tiny_run, tmp_path):
     from ckptflow.trainer.verify import verify_checkpoint
@@ -290,8 +337,7 @@ def test_a_hot_checkpoint_copied_under_another_run_or_step_is_refused_by_the_ver
     out = verify(CheckpointRef(cfg, "other", 6), sanity_step=False, expectations=False)
     assert not out.ok and "manifest is for tiny step 6, not other step 6" in out.reasons[0]
     os.rename(step_dir(run, 6), step_dir(run, 8))
-    assert "not tiny step 8" in verify(CheckpointRef(cfg, "tiny", 8), sanity_step=False,
-                                       expectations=False).reasons[0]
+    assert "not tiny step 8" in verify(CheckpointRef(cfg, "tiny", 8), sanity_step=False, expectations=False).reasons[0]
 
 
 def test_a_cold_checkpoint_copied_under_another_run_is_refused(tiny_run, tmp_path, s3_endpoint, s3_bucket):
@@ -305,15 +351,18 @@ def test_a_cold_checkpoint_copied_under_another_run_is_refused(tiny_run, tmp_pat
     s3 = boto3.client("s3", endpoint_url=s3_endpoint)
     src = f"c/tiny/{layout.step_name(6)}/"
     for o in s3.list_objects_v2(Bucket=s3_bucket, Prefix=src)["Contents"]:
-        s3.copy_object(Bucket=s3_bucket, Key=o["Key"].replace("/tiny/", "/other/"),
-                       CopySource={"Bucket": s3_bucket, "Key": o["Key"]})
+        s3.copy_object(
+            Bucket=s3_bucket,
+            Key=o["Key"].replace("/tiny/", "/other/"),
+            CopySource={"Bucket": s3_bucket, "Key": o["Key"]},
+        )
     assert cold.committed_steps("other") == [6]  # listed (it has a marker) ...
     with pytest.raises(IntegrityError, match="not other step 6"):  # ... but never trusted
         fetch(cold, "other", 6, str(tmp_path / "out"))
 
 
 def test_prune_never_deletes_outside_its_tier_and_run(tiny_run, tmp_path, s3_endpoint, s3_bucket, monkeypatch):
-    from ckptflow.tasks.config import RetentionPolicy
+    from ckptflow.tasks.config import RetentionConfig
     from ckptflow.tasks.prune import prune
     from ckptflow.tasks.retention import build_policy
     from ckptflow.tasks.transfer import archive
@@ -328,11 +377,11 @@ def test_prune_never_deletes_outside_its_tier_and_run(tiny_run, tmp_path, s3_end
     shutil.copy(os.path.join(step_dir(run, 4), layout.MANIFEST), victim / layout.MANIFEST)
     shutil.rmtree(step_dir(run, 4))
     os.symlink(victim, step_dir(run, 4))
-    rep = prune(hot, "tiny", build_policy(RetentionPolicy(keep_last=1)), verified_steps=[2, 4, 6])
+    rep = prune(hot, "tiny", build_policy(RetentionConfig(keep_last=1)), verified_steps=[2, 4, 6])
     assert (victim / "precious").read_text() == "keep me" and (victim / layout.MANIFEST).exists()
     assert 2 in rep.deleted and not os.path.exists(step_dir(run, 2))
     with pytest.raises(CkptflowError):
-        prune(hot, "../tiny", build_policy(RetentionPolicy(keep_last=1)))
+        prune(hot, "../tiny", build_policy(RetentionConfig(keep_last=1)))
 
     # on S3: a listing that strays outside the step's prefix is refused before any delete
     cold = Tier(TierConfig(name="cold", url=f"s3://{s3_bucket}/c", codec="zstd", endpoint_url=s3_endpoint))
@@ -349,8 +398,10 @@ def test_prune_never_deletes_outside_its_tier_and_run(tiny_run, tmp_path, s3_end
 
 # ---- secrets never leak -----------------------------------------------------------------------
 
+
 def test_no_credential_or_webhook_token_in_logs_artifacts_events_or_errors(
-        prefect_api, tiny_run, tmp_path, s3_endpoint, s3_bucket, monkeypatch, caplog, capfd):
+    prefect_api, tiny_run, tmp_path, s3_endpoint, s3_bucket, monkeypatch, caplog, capfd
+):
     import s3fs
 
     from ckptflow.flows.alerts import notify_on_failure
@@ -370,10 +421,12 @@ def test_no_credential_or_webhook_token_in_logs_artifacts_events_or_errors(
     hot = tmp_path / "hot"
     shutil.copytree(tiny_run, hot / "tiny")
     cfg = tmp_path / "ckptflow.toml"
-    cfg.write_text(f'[hot]\nurl = "{hot}"\n[hot.retention]\nkeep_last = 5\n[warm]\nurl = "{tmp_path / "warm"}"\n'
-                   f'codec = "zstd"\n[cold]\nurl = "s3://{s3_bucket}/ckpt"\ncodec = "zstd"\n'
-                   f'endpoint_url = "{s3_endpoint}"\n[cold.retention]\nkeep_last = 5\n'
-                   f'[lifecycle]\nsanity_step = false\n[drill]\nwebhook_url = "{hook}"\nrandom_older = false\n')
+    cfg.write_text(
+        f'[hot]\nurl = "{hot}"\n[hot.retention]\nkeep_last = 5\n[warm]\nurl = "{tmp_path / "warm"}"\n'
+        f'codec = "zstd"\n[cold]\nurl = "s3://{s3_bucket}/ckpt"\ncodec = "zstd"\n'
+        f'endpoint_url = "{s3_endpoint}"\n[cold.retention]\nkeep_last = 5\n'
+        f'[lifecycle]\nsanity_step = false\n[drill]\nwebhook_url = "{hook}"\nrandom_older = false\n'
+    )
     for name in ("trainer", "tasks", "flows", "prefect"):  # ours and Prefect's, every level
         caplog.set_level(logging.DEBUG, logger=name)
     errors: list[str] = []
@@ -381,20 +434,25 @@ def test_no_credential_or_webhook_token_in_logs_artifacts_events_or_errors(
     assert lifecycle(run_id="tiny", step=6, config=str(cfg))["status"] == "done"
     assert restore_drill(run_id="tiny", config=str(cfg), history_dir=str(tmp_path / "d"))["ok"]
     s3 = boto3.client("s3", endpoint_url=s3_endpoint)
-    key = sorted(o["Key"] for o in s3.list_objects_v2(Bucket=s3_bucket, Prefix="ckpt/tiny/")["Contents"]
-                 if "/__" in o["Key"])[0]
+    key = sorted(
+        o["Key"] for o in s3.list_objects_v2(Bucket=s3_bucket, Prefix="ckpt/tiny/")["Contents"] if "/__" in o["Key"]
+    )[0]
     s3.put_object(Bucket=s3_bucket, Key=key, Body=b"damaged")
     with pytest.raises(DrillFailed) as ei:
         restore_drill(run_id="tiny", config=str(cfg), history_dir=str(tmp_path / "d"))
     errors.append(str(ei.value))
     hot_tier = Tier(TierConfig(name="hot", url=str(hot)))
-    for url, endpoint in ((f"s3://no-such-bucket-{tag}/x", s3_endpoint), (f"s3://{s3_bucket}/y",
-                                                                          f"http://127.0.0.1:{free_port()}")):
+    for url, endpoint in (
+        (f"s3://no-such-bucket-{tag}/x", s3_endpoint),
+        (f"s3://{s3_bucket}/y", f"http://127.0.0.1:{free_port()}"),
+    ):
         # any exception type: whether each is a clean ckptflow error is test_chaos's business
-        for attempt in (lambda: archive(hot_tier, Tier(TierConfig(name="cold", url=url, endpoint_url=endpoint)),
-                                        "tiny", 6),
-                        lambda: restore([Tier(TierConfig(name="cold", url=url, endpoint_url=endpoint))], "tiny",
-                                        str(tmp_path / "r"))):
+        for attempt in (
+            lambda: archive(hot_tier, Tier(TierConfig(name="cold", url=url, endpoint_url=endpoint)), "tiny", 6),
+            lambda: restore(
+                [Tier(TierConfig(name="cold", url=url, endpoint_url=endpoint))], "tiny", str(tmp_path / "r")
+            ),
+        ):
             try:
                 attempt()
             except Exception as e:  # noqa: BLE001
@@ -410,8 +468,11 @@ def test_no_credential_or_webhook_token_in_logs_artifacts_events_or_errors(
     # headers (key id, session token) and ckptflow never turns it on.
     texts = [caplog.text, *capfd.readouterr(), *errors, *_read_back(prefect_api)]
     for canary in (secret, token, key_id, f"ckptflow-canary-session-{tag}"):
-        hits = [f"[text {i}] " + t[max(0, t.find(canary) - 600): t.find(canary) + 100]
-                for i, t in enumerate(texts) if canary in t]
+        hits = [
+            f"[text {i}] " + t[max(0, t.find(canary) - 600) : t.find(canary) + 100]
+            for i, t in enumerate(texts)
+            if canary in t
+        ]
         assert not hits, f"{canary[:24]}… leaked: {hits[:1]}"
 
 

@@ -24,8 +24,12 @@ def test_prefect_yaml_declares_exactly_the_served_deployments():
         assert y["work_pool"]["name"] == "ckptflow-pool"
         if d.trigger is not None:
             (t,) = y["triggers"]
-            assert (t["type"], t["expect"], t["match"], t["parameters"]) == \
-                ("event", d.trigger["expect"], d.trigger["match"], d.trigger["parameters"]), d.name
+            assert (t["type"], t["expect"], t["match"], t["parameters"]) == (
+                "event",
+                d.trigger["expect"],
+                d.trigger["match"],
+                d.trigger["parameters"],
+            ), d.name
         else:
             assert "triggers" not in y
         sched = y.get("schedules", [])

@@ -17,9 +17,8 @@ import textwrap
 
 import pytest
 
-from tests.helpers import PY, REPO, run_torchrun, torchrun_env
-from tests.helpers import metrics, step_dir
 from ckptflow.trainer import layout
+from tests.helpers import PY, REPO, metrics, run_torchrun, step_dir, torchrun_env
 
 pytestmark = pytest.mark.slow
 ARGS = ["--model", "tiny", "--max-steps", "6", "--save-every", "2"]
@@ -33,8 +32,7 @@ def _manifest(run, step):
 def test_slow_write_still_saves_the_state_of_its_step(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     ra = run_torchrun(["--ckpt-root", str(a), "--run-id", "r", *ARGS])
-    rb = run_torchrun(["--ckpt-root", str(b), "--run-id", "r", *ARGS],
-                      env={"CKPTFLOW_FAULT": "write@2:sleep2"})
+    rb = run_torchrun(["--ckpt-root", str(b), "--run-id", "r", *ARGS], env={"CKPTFLOW_FAULT": "write@2:sleep2"})
     assert ra.returncode == 0 and rb.returncode == 0, rb.stderr[-3000:]
     run_a, run_b = os.path.join(a, "r"), os.path.join(b, "r")
     # Training really went on while step 2 was being written.

@@ -21,9 +21,11 @@ from tests.helpers import flip_byte, step_dir
 def _config(tmp_path, hot: str, *, move_after_hours: float | None = None) -> str:
     move = f"move_after_hours = {move_after_hours}\n" if move_after_hours is not None else ""
     p = tmp_path / "ckptflow.toml"
-    p.write_text(f'[hot]\nurl = "{hot}"\n{move}[hot.retention]\nkeep_last = 5\n'
-                 f'[warm]\nurl = "{tmp_path / "warm"}"\n[warm.retention]\nkeep_last = 5\n'
-                 '[lifecycle]\nsanity_step = false\nexpectations = false\n')
+    p.write_text(
+        f'[hot]\nurl = "{hot}"\n{move}[hot.retention]\nkeep_last = 5\n'
+        f'[warm]\nurl = "{tmp_path / "warm"}"\n[warm.retention]\nkeep_last = 5\n'
+        "[lifecycle]\nsanity_step = false\nexpectations = false\n"
+    )
     return str(p)
 
 
@@ -73,15 +75,18 @@ def test_the_hot_root_comes_from_the_event():
     assert hot_root_for(cfg, "s3://b/run/step_000000002", None) == cfg.hot.url
 
 
-@pytest.mark.parametrize("runs,beat,want", [
-    ([], False, Action.RUN),
-    ([FlowRun("a", "SCHEDULED", 5.0)], False, Action.LEAVE_QUEUED),
-    ([FlowRun("a", "PENDING", 700.0)], False, Action.TAKE_OVER),            # queued past the grace
-    ([FlowRun("a", "RUNNING", 5.0)], True, Action.LEAVE_RUNNING),
-    ([FlowRun("a", "RUNNING", 5.0)], False, Action.TAKE_OVER),              # its process died
-    ([FlowRun("a", "RUNNING", 900.0), FlowRun("b", "SCHEDULED", 1.0)], False, Action.LEAVE_QUEUED),
-    ([FlowRun("a", "RUNNING", 900.0), FlowRun("b", "RUNNING", 1.0)], False, Action.TAKE_OVER),
-])
+@pytest.mark.parametrize(
+    "runs,beat,want",
+    [
+        ([], False, Action.RUN),
+        ([FlowRun("a", "SCHEDULED", 5.0)], False, Action.LEAVE_QUEUED),
+        ([FlowRun("a", "PENDING", 700.0)], False, Action.TAKE_OVER),  # queued past the grace
+        ([FlowRun("a", "RUNNING", 5.0)], True, Action.LEAVE_RUNNING),
+        ([FlowRun("a", "RUNNING", 5.0)], False, Action.TAKE_OVER),  # its process died
+        ([FlowRun("a", "RUNNING", 900.0), FlowRun("b", "SCHEDULED", 1.0)], False, Action.LEAVE_QUEUED),
+        ([FlowRun("a", "RUNNING", 900.0), FlowRun("b", "RUNNING", 1.0)], False, Action.TAKE_OVER),
+    ],
+)
 def test_what_reconcile_does_with_an_unfinished_step(runs, beat, want):
     """A queued run is its worker's; a live one is left alone; a dead one is taken over."""
     assert decide(runs, beat, queued_grace_s=600.0) is want

@@ -16,8 +16,8 @@ from ckptflow.tasks.storage import StoredFile, Tier, TierIndex, acquire_lease, a
 from ckptflow.tasks.storage.index import marker_json
 from ckptflow.tasks.storage.leases import write_lease
 from ckptflow.tasks.transfer import archive, fetch
-from ckptflow.trainer import layout
-from ckptflow.trainer.errors import (CheckpointNotFoundError, ConfigError, ManifestError, UnsafePathError)
+from ckptflow.trainer import commit, layout
+from ckptflow.trainer.errors import CheckpointNotFoundError, ConfigError, ManifestError, UnsafePathError
 
 
 @pytest.fixture
@@ -38,22 +38,30 @@ def s3(endpoint):
 
 # ---- names --------------------------------------------------------------------------
 
+
 def test_urls_and_listing_on_a_local_tier(hot):
     assert hot.url_for("tiny") == os.path.join(hot.url, "tiny")
     assert hot.url_for("tiny", 6, "__0_0.distcp").endswith("/tiny/step_000000006/__0_0.distcp")
     assert hot.list_runs() == ["tiny"]
     assert hot.committed_steps("tiny") == [6, 4, 2] and hot.latest_step("tiny") == 6
     run = hot.url_for("tiny")
-    os.makedirs(os.path.join(run, layout.tmp_name(8)))              # a crashed save
-    os.makedirs(os.path.join(run, layout.step_name(10)))            # renamed, no manifest
+    os.makedirs(os.path.join(run, layout.tmp_name(8)))  # a crashed save
     os.makedirs(os.path.join(run, layout.step_name(12) + ".deleting"))
     os.makedirs(os.path.join(hot.url, "not a run id"))
     assert hot.committed_steps("tiny") == [6, 4, 2] and hot.list_runs() == ["tiny"]
+    # One definition of committed (trainer.atomicity): the rename is the commit point, so a
+    # step dir without its manifest is a committed checkpoint that is damaged — listed, and
+    # reported as damage by whoever opens it, never silently invisible.
+    os.makedirs(os.path.join(run, layout.step_name(10)))
+    assert hot.committed_steps("tiny") == [10, 6, 4, 2] == commit.committed_steps(run)
+    with pytest.raises(ManifestError, match="manifest.json: missing"):
+        hot.open_checkpoint("tiny", 10)
     assert hot.committed_steps("no-such-run") == []
 
 
-@pytest.mark.parametrize("run_id, name", [("../up", None), ("tiny", "../x"), ("tiny", "/etc/passwd"),
-                                          ("tiny", "s3://b/k"), ("", None)])
+@pytest.mark.parametrize(
+    "run_id, name", [("../up", None), ("tiny", "../x"), ("tiny", "/etc/passwd"), ("tiny", "s3://b/k"), ("", None)]
+)
 def test_unsafe_names_are_refused(hot, run_id, name):
     with pytest.raises((UnsafePathError, ConfigError)):
         hot.url_for(run_id, 2, name)
@@ -61,10 +69,11 @@ def test_unsafe_names_are_refused(hot, run_id, name):
 
 def test_urls_on_s3_keep_the_scheme(cold):
     assert cold.url_for("r1", 6, "tier.json").startswith("s3://") and "//r1" not in cold.url_for("r1")
-    assert not cold.commits_by_rename and cold.list_runs() == [] and cold.committed_steps("r1") == []
+    assert cold.rule.kind == "marker" and cold.list_runs() == [] and cold.committed_steps("r1") == []
 
 
 # ---- trust --------------------------------------------------------------------------
+
 
 def test_manifest_is_authenticated_and_bound_to_its_step(hot):
     m = hot.read_manifest("tiny", 4)
@@ -73,8 +82,9 @@ def test_manifest_is_authenticated_and_bound_to_its_step(hot):
     assert idx.codec == "none" and idx.files["__0_0.distcp"].stored_name == "__0_0.distcp"
     run = hot.url_for("tiny")
     # a manifest copied into another step's dir is refused
-    shutil.copy(os.path.join(run, layout.step_name(2), layout.MANIFEST),
-                os.path.join(run, layout.step_name(4), layout.MANIFEST))
+    shutil.copy(
+        os.path.join(run, layout.step_name(2), layout.MANIFEST), os.path.join(run, layout.step_name(4), layout.MANIFEST)
+    )
     with pytest.raises(ManifestError, match="not tiny step 4"):
         hot.read_manifest("tiny", 4)
     with pytest.raises(CheckpointNotFoundError):
@@ -94,10 +104,14 @@ def test_unsafe_names_in_a_manifest_or_tier_index_are_refused(hot):
     good = hot.read_index("tiny", 4)
     for bad in ("../../../x.zst", layout.MANIFEST):
         f = good.files["__0_0.distcp"]
-        idx = TierIndex(run_id="tiny", step=4, codec="none", level=None,
-                        manifest_checksum=good.manifest_checksum,
-                        files={**good.files, "__0_0.distcp": StoredFile(
-                            f.size, f.checksum, bad, f.stored_size, f.stored_checksum)})
+        idx = TierIndex(
+            run_id="tiny",
+            step=4,
+            codec="none",
+            level=None,
+            manifest_checksum=good.manifest_checksum,
+            files={**good.files, "__0_0.distcp": StoredFile(f.size, f.checksum, bad, f.stored_size, f.stored_checksum)},
+        )
         with open(os.path.join(hot.url_for("tiny"), layout.step_name(4), layout.TIER_MANIFEST), "wb") as fh:
             fh.write(idx.to_json())
         with pytest.raises(UnsafePathError):
@@ -140,6 +154,7 @@ def test_unsafe_stored_name_in_a_cold_index_is_refused(hot, cold, s3_endpoint, s
 
 # ---- pins and leases ------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("which", ["hot", "cold"])
 def test_pins(which, request):
     tier = request.getfixturevalue(which)
@@ -174,6 +189,7 @@ def test_an_unreadable_lease_counts_as_active(hot):
 
 
 # ---- deletes ----------------------------------------------------------------------
+
 
 def test_local_delete_renames_first_and_leaves_nothing(hot):
     hot.delete_checkpoint("tiny", 2)

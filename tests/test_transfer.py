@@ -14,7 +14,7 @@ from ckptflow.tasks.config import TierConfig
 from ckptflow.tasks.storage import Tier, acquire_lease, active_leases
 from ckptflow.tasks.transfer import compress, fetch, promote, restore
 from ckptflow.trainer import layout
-from ckptflow.trainer.errors import (CheckpointNotFoundError, ConfigError, IntegrityError, StorageError)
+from ckptflow.trainer.errors import CheckpointNotFoundError, ConfigError, IntegrityError, StorageError
 from ckptflow.trainer.fsutil import write_durable
 from ckptflow.trainer.verify import verify_checkpoint
 
@@ -40,7 +40,8 @@ def flip(path: str) -> None:
 def same_files(a: str, b: str) -> bool:
     names = sorted(n for n in os.listdir(a) if n != layout.TIER_MANIFEST)
     return names == sorted(os.listdir(b)) and all(
-        filecmp.cmp(os.path.join(a, n), os.path.join(b, n), shallow=False) for n in names)
+        filecmp.cmp(os.path.join(a, n), os.path.join(b, n), shallow=False) for n in names
+    )
 
 
 @pytest.mark.parametrize("codec", ["none", "zstd", "bytegroup"])
@@ -52,8 +53,9 @@ def test_promote_then_fetch_is_byte_exact(hot, tmp_path, codec):
     assert warm.committed_steps("tiny") == [6]
     stored = sorted(os.listdir(warm.url_for("tiny", 6)))
     suffix = {"none": "", "zstd": ".zst", "bytegroup": ".ckz"}[codec]
-    assert stored == sorted([layout.DCP_METADATA + suffix, "__0_0.distcp" + suffix,
-                             layout.MANIFEST, layout.TIER_MANIFEST])
+    assert stored == sorted(
+        [layout.DCP_METADATA + suffix, "__0_0.distcp" + suffix, layout.MANIFEST, layout.TIER_MANIFEST]
+    )
     idx = warm.read_index("tiny", 6)
     assert idx.codec == codec and idx.total_stored_bytes == r.bytes_stored
     if codec != "none":
@@ -67,25 +69,28 @@ def test_promote_then_fetch_is_byte_exact(hot, tmp_path, codec):
 def test_promote_twice_writes_nothing_the_second_time(hot, tmp_path):
     warm = warm_tier(tmp_path)
     promote(hot, warm, "tiny", 4)
-    before = {n: os.stat(os.path.join(warm.url_for("tiny", 4), n)).st_mtime_ns
-              for n in os.listdir(warm.url_for("tiny", 4))}
+    before = {
+        n: os.stat(os.path.join(warm.url_for("tiny", 4), n)).st_mtime_ns for n in os.listdir(warm.url_for("tiny", 4))
+    }
     again = promote(hot, warm, "tiny", 4)
     assert again.already_committed and (again.files, again.skipped_files) == (0, 2)
-    assert before == {n: os.stat(os.path.join(warm.url_for("tiny", 4), n)).st_mtime_ns
-                      for n in os.listdir(warm.url_for("tiny", 4))}
+    assert before == {
+        n: os.stat(os.path.join(warm.url_for("tiny", 4), n)).st_mtime_ns for n in os.listdir(warm.url_for("tiny", 4))
+    }
 
 
 def test_compress_stage_then_promote_reuses_the_staging(hot, tmp_path):
     warm = warm_tier(tmp_path)
     c = compress(hot, warm, "tiny", 6)
     assert c.files == 2 and warm.committed_steps("tiny") == []  # staged, not committed
-    assert compress(hot, warm, "tiny", 6).skipped_files == 2     # idempotent
+    assert compress(hot, warm, "tiny", 6).skipped_files == 2  # idempotent
     p = promote(hot, warm, "tiny", 6)
     assert (p.files, p.skipped_files) == (0, 2) and warm.committed_steps("tiny") == [6]
 
 
-@pytest.mark.parametrize("phase", ["compress:file:__0_0.distcp", "compress:before_index",
-                                   "promote:verified", "promote:before_commit"])
+@pytest.mark.parametrize(
+    "phase", ["compress:file:__0_0.distcp", "compress:before_index", "promote:verified", "promote:before_commit"]
+)
 def test_a_crash_at_any_phase_leaves_nothing_committed_and_a_rerun_completes(hot, tmp_path, phase):
     warm = warm_tier(tmp_path)
 
@@ -179,6 +184,7 @@ def test_promote_needs_a_file_system_destination(hot, tmp_path):
 
 
 # ---- fetch and restore ----------------------------------------------------------------
+
 
 def test_fetch_names_the_damaged_or_missing_object_and_leaves_no_dir(hot, tmp_path):
     warm = warm_tier(tmp_path)

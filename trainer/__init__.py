@@ -12,8 +12,10 @@ Importing this package is cheap; torch.distributed.checkpoint loads on first use
 from __future__ import annotations
 
 if __name__ != "ckptflow.trainer":  # the repository folder imported under its bare name
-    raise ImportError(f"import ckptflow.trainer, not {__name__}: ckptflow installs one namespace, and a "
-                      "module loaded under two names would exist twice in one process")
+    raise ImportError(
+        f"import ckptflow.trainer, not {__name__}: ckptflow installs one namespace, and a "
+        "module loaded under two names would exist twice in one process"
+    )
 
 from typing import TYPE_CHECKING
 
@@ -44,6 +46,15 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "CheckpointConfig", "CheckpointManager", "CheckpointNotFoundError", "CkptflowError", "ConfigError",
-    "IntegrityError", "ManifestError", "MismatchError", "Provenance", "SaveError", "SanitySpec",
+    "CheckpointConfig",
+    "CheckpointManager",
+    "CheckpointNotFoundError",
+    "CkptflowError",
+    "ConfigError",
+    "IntegrityError",
+    "ManifestError",
+    "MismatchError",
+    "Provenance",
+    "SaveError",
+    "SanitySpec",
 ]

@@ -9,8 +9,8 @@
     ckpt.close()
 
 The manager owns the interval, the async mode, the commit, resume with fallback,
-and the commit event. Public methods check ``enabled`` once and call ``_``-hooks,
-so a subclass overriding a hook cannot skip the guard.
+and the commit event. Public methods check ``enabled`` once, then call their
+``_``-prefixed implementation (``_load``, ``_save``), so the guard is in one place.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import logging
 import os
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -29,11 +30,11 @@ from ckptflow.trainer import commit, events, layout
 from ckptflow.trainer.checksum import hash_bytes
 from ckptflow.trainer.distenv import DistEnv, init_distributed
 from ckptflow.trainer.errors import ConfigError, SaveError
+from ckptflow.trainer.loader import load_verified
 from ckptflow.trainer.manifest import FileEntry, Manifest
 from ckptflow.trainer.resume import check_provenance, find_resume_point, no_checkpoint_error
 from ckptflow.trainer.saver import ASYNC_MODES, AsyncSaver, SaveRequest
-from ckptflow.trainer.loader import load_verified, train_state
-from ckptflow.trainer.state import build_save_state
+from ckptflow.trainer.state import build_save_state, train_state
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +112,13 @@ class SanitySpec:
 
 def code_version() -> str:
     try:
-        out = subprocess.run(["git", "describe", "--always", "--dirty", "--tags"], capture_output=True,
-                             text=True, timeout=5, cwd=os.getcwd())
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty", "--tags"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=os.getcwd(),
+        )
         if out.returncode == 0 and out.stdout.strip():
             return "git:" + out.stdout.strip()
     except (OSError, subprocess.SubprocessError):
@@ -134,10 +140,20 @@ class LoadResult:
 
 
 class CheckpointManager:
-    def __init__(self, cfg: CheckpointConfig, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 provenance: Provenance, scheduler: Any = None, scaler: Any = None,
-                 sampler: Stateful | None = None, extra: Stateful | None = None,
-                 sanity: SanitySpec | None = None, env: DistEnv | None = None) -> None:
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        provenance: Provenance,
+        scheduler: Any = None,
+        scaler: Any = None,
+        sampler: Stateful | None = None,
+        extra: Stateful | None = None,
+        sanity: SanitySpec | None = None,
+        env: DistEnv | None = None,
+    ) -> None:
         self.cfg = cfg
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.sampler, self.extra, self.sanity, self.provenance = sampler, extra, sanity, provenance
@@ -155,8 +171,9 @@ class CheckpointManager:
             os.makedirs(self.run_path, exist_ok=True)
             commit.clean_stale_tmp(self.run_path)
         dist.barrier(group=self.env.ckpt_group)
-        self._saver = AsyncSaver(rank=self.env.rank, ckpt_group=self.env.ckpt_group,
-                                 mode=cfg.async_mode, writer_threads=cfg.writer_threads)
+        self._saver = AsyncSaver(
+            rank=self.env.rank, ckpt_group=self.env.ckpt_group, mode=cfg.async_mode, writer_threads=cfg.writer_threads
+        )
         # Snapshot consistency: the staged copy must exist before parameters change.
         self._hook = optimizer.register_step_pre_hook(lambda *_a, **_k: self._saver.wait_for_staging())
 
@@ -205,7 +222,7 @@ class CheckpointManager:
         """Per-save timings (blocked, staged, persisted, committed seconds), kept after close()."""
         return self._timings
 
-    # -- hooks --------------------------------------------------------------------------
+    # -- implementation -------------------------------------------------------------------
     def _handle_save_error(self, e: SaveError) -> bool:
         if self.cfg.on_save_error == "raise":
             raise e
@@ -214,48 +231,73 @@ class CheckpointManager:
         return False
 
     def _train_state(self, step: int) -> dict[str, Any]:
-        return train_state(step, scheduler=self.scheduler, scaler=self.scaler, sampler=self.sampler,
-                           extra=self.extra)
+        return train_state(step, scheduler=self.scheduler, scaler=self.scaler, sampler=self.sampler, extra=self.extra)
 
     def _save(self, step: int, metrics: dict[str, float]) -> None:
         probe_loss = self.sanity.probe_fn() if self.sanity is not None else None
         # The LR a resumed run will use first; the sanity step checks the restored
         # scheduler reproduces it.
         next_lr = float(self.scheduler.get_last_lr()[0]) if self.scheduler is not None else None
-        state = build_save_state(model=self.model, optimizer=self.optimizer, rank=self.env.rank,
-                                 train=self._train_state(step))
-        req = SaveRequest(step=step, run_path=self.run_path,
-                          build_manifest=lambda files: self._manifest(step, files, metrics, probe_loss, next_lr),
-                          on_committed=self._on_committed)
+        state = build_save_state(
+            model=self.model, optimizer=self.optimizer, rank=self.env.rank, train=self._train_state(step)
+        )
+        req = SaveRequest(
+            step=step,
+            run_path=self.run_path,
+            build_manifest=lambda files: self._manifest(step, files, metrics, probe_loss, next_lr),
+            on_committed=self._on_committed,
+        )
         self._timings.append(self._saver.submit(state, req))
 
-    def _manifest(self, step: int, files: dict[str, FileEntry], metrics: dict, probe_loss,
-                  next_lr: float | None) -> Manifest:
+    def _manifest(
+        self, step: int, files: dict[str, FileEntry], metrics: dict, probe_loss, next_lr: float | None
+    ) -> Manifest:
         sanity: dict[str, Any] = {}
         if self.sanity is not None:
-            sanity = {"builder": self.sanity.builder, "config": self.sanity.config,
-                      "probe": {"tokens": self.sanity.probe_tokens, "loss": probe_loss,
-                                "loss_hex": float(probe_loss).hex()},
-                      "next_lr": next_lr, "torch_threads": torch.get_num_threads()}
+            sanity = {
+                "builder": self.sanity.builder,
+                "config": self.sanity.config,
+                "probe": {"tokens": self.sanity.probe_tokens, "loss": probe_loss, "loss_hex": float(probe_loss).hex()},
+                "next_lr": next_lr,
+                "torch_threads": torch.get_num_threads(),
+            }
         return Manifest(
-            run_id=self.cfg.run_id, step=step, world_size=self.env.world_size, files=files,
+            run_id=self.cfg.run_id,
+            step=step,
+            world_size=self.env.world_size,
+            files=files,
             training={k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()},
-            provenance={"config_hash": self.provenance.config_hash,
-                        "data_fingerprint": self.provenance.data_fingerprint,
-                        "code_version": self._code_version, "torch_version": torch.__version__,
-                        "config": self.provenance.config},
+            provenance={
+                "config_hash": self.provenance.config_hash,
+                "data_fingerprint": self.provenance.data_fingerprint,
+                "code_version": self._code_version,
+                "torch_version": torch.__version__,
+                "config": self.provenance.config,
+            },
             sanity=sanity,
-            state={"rng_ranks": self.env.world_size, "has_scheduler": self.scheduler is not None,
-                   "has_scaler": self.scaler is not None, "async_mode": self.cfg.async_mode},
+            state={
+                "rng_ranks": self.env.world_size,
+                "has_scheduler": self.scheduler is not None,
+                "has_scaler": self.scaler is not None,
+                "async_mode": self.cfg.async_mode,
+            },
         )
 
     def _on_committed(self, manifest: Manifest, final: str) -> None:
-        ev_payload = {"run_id": manifest.run_id, "step": manifest.step, "uri": final,
-                      "bytes": manifest.total_bytes, "world_size": manifest.world_size,
-                      "root": os.path.abspath(self.cfg.root)}
-        record = dict(ev_payload, event=events.COMMITTED,
-                      event_id=events.event_id(manifest.run_id, manifest.step, events.COMMITTED),
-                      committed_at=time.time())
+        ev_payload = {
+            "run_id": manifest.run_id,
+            "step": manifest.step,
+            "uri": final,
+            "bytes": manifest.total_bytes,
+            "world_size": manifest.world_size,
+            "root": os.path.abspath(self.cfg.root),
+        }
+        record = dict(
+            ev_payload,
+            event=events.COMMITTED,
+            event_id=events.event_id(manifest.run_id, manifest.step, events.COMMITTED),
+            committed_at=time.time(),
+        )
         events.append_outbox(self.run_path, record)
         self._sender.send(events.make_event(events.COMMITTED, manifest.run_id, manifest.step, ev_payload))
 
@@ -272,13 +314,16 @@ class CheckpointManager:
                 raise no_checkpoint_error(self.run_path, rep.skipped)
             self.last_load = LoadResult(0, None)
             return self.last_load
-        mism = check_provenance(rep.chosen.manifest, rep.chosen.path,
-                                config_hash=self.provenance.config_hash,
-                                data_fingerprint=self.provenance.data_fingerprint,
-                                allow_mismatch=self.cfg.allow_mismatch)
+        mism = check_provenance(
+            rep.chosen.manifest,
+            rep.chosen.path,
+            config_hash=self.provenance.config_hash,
+            data_fingerprint=self.provenance.data_fingerprint,
+            allow_mismatch=self.cfg.allow_mismatch,
+        )
         for m in mism:
             log.warning("resume despite mismatch (allow_mismatch): %s", m)
-        self.load_checkpoint_dir(rep.chosen.path, rep.chosen.manifest)
+        self._load_checkpoint_dir(rep.chosen.path, rep.chosen.manifest)
         if env.rank == 0:
             if rep.latest_was != rep.chosen.step:
                 log.warning("resume: 'latest' named %s; repaired to step %d", rep.latest_was, rep.chosen.step)
@@ -287,7 +332,16 @@ class CheckpointManager:
         self.last_load = LoadResult(rep.chosen.step, rep.chosen.path, rep.skipped, mism)
         return self.last_load
 
-    def load_checkpoint_dir(self, path: str, manifest: Manifest) -> None:
+    def _load_checkpoint_dir(self, path: str, manifest: Manifest) -> None:
         """Load one *verified* checkpoint dir into the live objects (any world size)."""
-        load_verified(path, manifest, env=self.env, model=self.model, optimizer=self.optimizer,
-                      scheduler=self.scheduler, scaler=self.scaler, sampler=self.sampler, extra=self.extra)
+        load_verified(
+            path,
+            manifest,
+            env=self.env,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            scaler=self.scaler,
+            sampler=self.sampler,
+            extra=self.extra,
+        )

@@ -18,7 +18,7 @@ ALGORITHM = "xxh3_128"
 CHUNK = 8 << 20  # 8 MiB: large enough to run at full speed, small enough to stream
 
 
-def new_hasher() -> "xxhash.xxh3_128":
+def new_hasher() -> xxhash.xxh3_128:
     """A streaming hasher: ``h.update(bytes)`` then ``h.hexdigest()``."""
     return xxhash.xxh3_128()
 

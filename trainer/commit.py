@@ -6,6 +6,7 @@ Call order for one checkpoint of step N (coordinator = rank 0):
 2. all ranks   each hashes the files it wrote; gathered to the coordinator
 3. coordinator ``manifest.json`` written into ``step_N.tmp/`` and fsynced
 4. coordinator rename ``step_N.tmp`` -> ``step_N``, fsync the run dir   <- commit point
+               (the rename rule of ``trainer.atomicity``, shared with every local tier)
 5. coordinator ``latest`` replaced atomically (write, fsync, rename, fsync)
 6. coordinator outbox line appended (fsync), then the event is sent in the background
 
@@ -21,7 +22,8 @@ import logging
 import os
 
 from ckptflow.trainer import faults, layout
-from ckptflow.trainer.fsutil import fsync_dir, remove_tree, rename_durable, replace_atomic, write_durable
+from ckptflow.trainer.atomicity import RENAME
+from ckptflow.trainer.fsutil import remove_tree, replace_atomic, write_durable
 from ckptflow.trainer.manifest import Manifest
 
 log = logging.getLogger(__name__)
@@ -30,12 +32,11 @@ log = logging.getLogger(__name__)
 def commit_checkpoint(run_path: str, manifest: Manifest) -> str:
     """Steps 3-5 above for a ``.tmp`` dir whose files are all written. Returns the final dir."""
     step = manifest.step
-    tmp = os.path.join(run_path, layout.tmp_name(step))
+    tmp = RENAME.staging_url(run_path, step)
     final = os.path.join(run_path, layout.step_name(step))
     write_durable(os.path.join(tmp, layout.MANIFEST), manifest.to_json())
-    fsync_dir(tmp)
     faults.maybe_crash("after_manifest", step)
-    if os.path.exists(final):
+    if RENAME.is_committed(run_path, step):
         # Only possible if a previous attempt committed this very step and training
         # then re-ran it (resume from an older checkpoint). The committed dir is
         # immutable: keep it and drop the duplicate rather than replace a directory
@@ -43,7 +44,7 @@ def commit_checkpoint(run_path: str, manifest: Manifest) -> str:
         log.warning("%s already committed; discarding the duplicate save in %s", final, tmp)
         remove_tree(tmp)
     else:
-        rename_durable(tmp, final)
+        RENAME.commit(run_path, step)  # <- the commit point
     faults.maybe_crash("after_rename", step)
     write_latest(run_path, step)
     faults.maybe_crash("after_latest", step)
@@ -64,14 +65,8 @@ def read_latest(run_path: str) -> int | None:
 
 
 def committed_steps(run_path: str) -> list[int]:
-    """Steps of committed (renamed) checkpoint dirs, newest first."""
-    try:
-        names = os.listdir(run_path)
-    except FileNotFoundError:
-        return []
-    steps = [s for n in names if (s := layout.parse_step(n)) is not None
-             and os.path.isdir(os.path.join(run_path, n))]
-    return sorted(steps, reverse=True)
+    """Steps of committed checkpoints on this local tier, newest first (``trainer.atomicity``)."""
+    return RENAME.committed_steps(run_path)
 
 
 def is_quarantined(run_path: str, step: int) -> bool:

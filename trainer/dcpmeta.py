@@ -30,10 +30,18 @@ MAX_METADATA_BYTES = 1 << 30
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _ALLOWED: dict[str, frozenset[str]] = {
-    _METADATA_MODULE: frozenset({
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "TensorProperties",
-        "ChunkStorageMetadata", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
-    }),
+    _METADATA_MODULE: frozenset(
+        {
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "TensorProperties",
+            "ChunkStorageMetadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        }
+    ),
     # storage_data values: FileSystemWriter's and the Hugging Face writer's records.
     "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
     "torch.distributed.checkpoint._hf_utils": frozenset({"_HFStorageInfo"}),
@@ -41,11 +49,26 @@ _ALLOWED: dict[str, frozenset[str]] = {
     # layouts, no side effects.
     "torch.serialization": frozenset({"_get_layout"}),
     # StorageMeta.checkpoint_id keeps the path the checkpoint was saved to.
-    "pathlib": frozenset({"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath",
-                          "PureWindowsPath"}),
+    "pathlib": frozenset({"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"}),
     "collections": frozenset({"OrderedDict"}),
-    "builtins": frozenset({"set", "frozenset", "list", "tuple", "dict", "bytes", "bytearray",
-                           "complex", "int", "float", "str", "bool", "slice", "range"}),
+    "builtins": frozenset(
+        {
+            "set",
+            "frozenset",
+            "list",
+            "tuple",
+            "dict",
+            "bytes",
+            "bytearray",
+            "complex",
+            "int",
+            "float",
+            "str",
+            "bool",
+            "slice",
+            "range",
+        }
+    ),
 }
 # torch.Size plus every dtype object (torch.float32, torch.bfloat16, …), which pickle
 # by name as attributes of the torch module.
@@ -72,7 +95,9 @@ class _MetadataUnpickler(pickle.Unpickler):
         # DCP metadata holds no tensors; torch.save's persistent ids have no place here.
         raise IntegrityError(
             f"{self._source}: DCP metadata contains a persistent reference ({pid!r:.60}); "
-            "it is not a DCP .metadata file, refusing to load it", path=self._source)
+            "it is not a DCP .metadata file, refusing to load it",
+            path=self._source,
+        )
 
 
 def loads_dcp_metadata(data: bytes, *, source: str) -> Metadata:
@@ -84,11 +109,14 @@ def loads_dcp_metadata(data: bytes, *, source: str) -> Metadata:
     except Exception as e:  # truncated, garbage, or a class whose constructor refused its args
         raise IntegrityError(
             f"{source}: DCP metadata is unreadable ({type(e).__name__}: {e}); the checkpoint "
-            "is damaged or incomplete, restore an older one", path=source) from None
+            "is damaged or incomplete, restore an older one",
+            path=source,
+        ) from None
     if not isinstance(md, Metadata):
         raise IntegrityError(
-            f"{source}: file unpickles to {type(md).__name__}, not DCP Metadata; it is not "
-            "a DCP .metadata file", path=source)
+            f"{source}: file unpickles to {type(md).__name__}, not DCP Metadata; it is not a DCP .metadata file",
+            path=source,
+        )
     return md
 
 
@@ -112,6 +140,7 @@ def read_dcp_metadata(path: str | os.PathLike) -> Metadata:
             data = f.read(MAX_METADATA_BYTES + 1)
     if len(data) > MAX_METADATA_BYTES:
         raise IntegrityError(
-            f"{path}: larger than {MAX_METADATA_BYTES} bytes, which no DCP .metadata is; "
-            "refusing to parse it", path=path)
+            f"{path}: larger than {MAX_METADATA_BYTES} bytes, which no DCP .metadata is; refusing to parse it",
+            path=path,
+        )
     return loads_dcp_metadata(data, source=path)

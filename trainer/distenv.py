@@ -28,14 +28,14 @@ class DistEnv:
     local_rank: int
     local_world_size: int
     attempt: int
-    ckpt_group: "dist.ProcessGroup"
+    ckpt_group: dist.ProcessGroup
 
     @property
     def is_coordinator(self) -> bool:
         return self.rank == 0
 
 
-def _store(timeout: timedelta, rank: int, world_size: int, attempt: int) -> "dist.Store":
+def _store(timeout: timedelta, rank: int, world_size: int, attempt: int) -> dist.Store:
     if world_size == 1 and "MASTER_ADDR" not in os.environ:
         return dist.HashStore()
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
@@ -43,14 +43,18 @@ def _store(timeout: timedelta, rank: int, world_size: int, attempt: int) -> "dis
     # Under torchrun the agent already hosts a TCPStore on MASTER_PORT; elsewhere
     # rank 0 hosts it.
     use_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    base = dist.TCPStore(host, port, world_size=None if use_agent else world_size,
-                         is_master=(rank == 0 and not use_agent), timeout=timeout,
-                         wait_for_workers=False)
+    base = dist.TCPStore(
+        host,
+        port,
+        world_size=None if use_agent else world_size,
+        is_master=(rank == 0 and not use_agent),
+        timeout=timeout,
+        wait_for_workers=False,
+    )
     return dist.PrefixStore(f"ckptflow/attempt{attempt}/", base)
 
 
-def init_distributed(*, timeout_s: float = 120.0, ckpt_timeout_s: float = 600.0,
-                     threads: int | None = None) -> DistEnv:
+def init_distributed(*, timeout_s: float = 120.0, ckpt_timeout_s: float = 600.0, threads: int | None = None) -> DistEnv:
     """Initialise the default (training) group and the checkpoint group.
 
     Works under torchrun (env vars) and as a plain single process (world size 1),
@@ -66,8 +70,9 @@ def init_distributed(*, timeout_s: float = 120.0, ckpt_timeout_s: float = 600.0,
     torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // max(1, local_world)))
     if not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s)
-        dist.init_process_group("gloo", store=_store(timeout, rank, world, attempt),
-                                rank=rank, world_size=world, timeout=timeout)
+        dist.init_process_group(
+            "gloo", store=_store(timeout, rank, world, attempt), rank=rank, world_size=world, timeout=timeout
+        )
     ckpt_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=ckpt_timeout_s))
     return DistEnv(rank, world, local_rank, local_world, attempt, ckpt_group)
 

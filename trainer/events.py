@@ -22,7 +22,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from ckptflow.trainer import layout
 from ckptflow.trainer.fsutil import append_durable
@@ -54,7 +54,7 @@ def resource_id(run_id: str, step: int) -> str:
 
 def make_event(event: str, run_id: str, step: int, payload: dict, *, occurred: float | None = None) -> dict:
     """A Prefect event document (the shape ``/api/events`` accepts)."""
-    ts = datetime.fromtimestamp(occurred or time.time(), tz=timezone.utc).isoformat()
+    ts = datetime.fromtimestamp(occurred or time.time(), tz=UTC).isoformat()
     return {
         "id": event_id(run_id, step, event),
         "occurred": ts,
@@ -91,9 +91,10 @@ def read_outbox(run_path: str) -> list[dict]:
 
 def post_events(api_url: str, events: list[dict], *, timeout_s: float, api_key: str | None = None) -> None:
     req = urllib.request.Request(
-        api_url.rstrip("/") + "/events", data=json.dumps(events).encode(), method="POST",
-        headers={"Content-Type": "application/json",
-                 **({"Authorization": f"Bearer {api_key}"} if api_key else {})},
+        api_url.rstrip("/") + "/events",
+        data=json.dumps(events).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})},
     )
     with urllib.request.urlopen(req, timeout=timeout_s) as resp:  # noqa: S310 - URL from config
         if resp.status >= 300:
@@ -103,8 +104,14 @@ def post_events(api_url: str, events: list[dict], *, timeout_s: float, api_key: 
 class EventSender:
     """Background sender with bounded retries; ``send`` never blocks the caller."""
 
-    def __init__(self, api_url: str | None = None, *, attempt_timeout_s: float = 0.5,
-                 attempts: int = 3, exit_budget_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        api_url: str | None = None,
+        *,
+        attempt_timeout_s: float = 0.5,
+        attempts: int = 3,
+        exit_budget_s: float = 1.0,
+    ) -> None:
         self.api_url = api_url if api_url is not None else os.environ.get("PREFECT_API_URL")
         self.api_key = os.environ.get("PREFECT_API_KEY")
         self.attempt_timeout_s = attempt_timeout_s
@@ -139,8 +146,11 @@ class EventSender:
                     if i == self.attempts - 1:
                         self.failed += 1
                         # never log the URL's query or credentials; the host is enough
-                        log.warning("event %s not delivered (%s); the outbox keeps it for reconcile",
-                                    ev["event"], type(e).__name__)
+                        log.warning(
+                            "event %s not delivered (%s); the outbox keeps it for reconcile",
+                            ev["event"],
+                            type(e).__name__,
+                        )
                     else:
                         time.sleep(0.05 * (2**i))
 

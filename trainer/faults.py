@@ -33,10 +33,12 @@ class FaultSpec:
     sleep: float | None = None  # sleep instead of crashing
 
     def matches(self, phase: str, step: int | None, rank: int, attempt: int) -> bool:
-        return (self.phase == phase
-                and (self.step is None or self.step == step)
-                and (self.rank is None or self.rank == rank)
-                and (self.attempt is None or self.attempt == attempt))
+        return (
+            self.phase == phase
+            and (self.step is None or self.step == step)
+            and (self.rank is None or self.rank == rank)
+            and (self.attempt is None or self.attempt == attempt)
+        )
 
 
 def parse(text: str) -> list[FaultSpec]:

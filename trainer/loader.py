@@ -22,27 +22,25 @@ from ckptflow.trainer.state import (
     reseed_rng,
     restore_rng,
     rng_key,
+    train_state,
     unwrap,
 )
 
 log = logging.getLogger(__name__)
 
 
-def train_state(step: int, *, scheduler: Any = None, scaler: Any = None, sampler: Any = None,
-                extra: Any = None) -> dict[str, Any]:
-    """The rank-independent ``train`` part of the state dict."""
-    return {
-        "step": step,
-        "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "scaler": scaler.state_dict() if scaler is not None else None,
-        "sampler": sampler.state_dict() if sampler is not None else None,
-        "extra": extra.state_dict() if extra is not None else None,
-    }
-
-
-def load_verified(path: str, manifest: Manifest, *, env: DistEnv, model: torch.nn.Module,
-                  optimizer: torch.optim.Optimizer | None, scheduler: Any = None, scaler: Any = None,
-                  sampler: Any = None, extra: Any = None) -> dict[str, Any]:
+def load_verified(
+    path: str,
+    manifest: Manifest,
+    *,
+    env: DistEnv,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any = None,
+    scaler: Any = None,
+    sampler: Any = None,
+    extra: Any = None,
+) -> dict[str, Any]:
     """``dcp.load`` a checkpoint that has *already been verified* against ``manifest``.
 
     Returns the loaded ``train`` dict. DCP reshards to the current world size.
@@ -50,16 +48,22 @@ def load_verified(path: str, manifest: Manifest, *, env: DistEnv, model: torch.n
     import torch.distributed.checkpoint as dcp
 
     target = build_load_target(
-        model=model, optimizer=optimizer, rank=env.rank,
+        model=model,
+        optimizer=optimizer,
+        rank=env.rank,
         train=train_state(0, scheduler=scheduler, scaler=scaler, sampler=sampler, extra=extra),
-        saved_rng_ranks=int(manifest.state.get("rng_ranks", 0)))
+        saved_rng_ranks=int(manifest.state.get("rng_ranks", 0)),
+    )
     try:
         dcp.load(target, checkpoint_id=path, process_group=env.ckpt_group)
     except BaseException as e:  # DCP's CheckpointException derives from BaseException
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
-        raise IntegrityError(f"{path}: DCP could not load a checkpoint that verified ({e!r}); the model "
-                             "or optimizer structure differs from the one that saved it", path=path) from None
+        raise IntegrityError(
+            f"{path}: DCP could not load a checkpoint that verified ({e!r}); the model "
+            "or optimizer structure differs from the one that saved it",
+            path=path,
+        ) from None
     apply_loaded_state(target, model=model, optimizer=optimizer)
     tr = unwrap(TRAIN_TAG, target["train"])
     for obj, key in ((scheduler, "scheduler"), (scaler, "scaler"), (sampler, "sampler"), (extra, "extra")):
@@ -71,6 +75,5 @@ def load_verified(path: str, manifest: Manifest, *, env: DistEnv, model: torch.n
         # This rank did not exist when the checkpoint was saved (larger world now):
         # a deterministic, rank-distinct seed instead of a copy of another rank's stream.
         reseed_rng((manifest.step * 1_000_003 + env.rank) & 0x7FFFFFFF)
-        log.info("rank %d: no saved RNG state (saved at world size %d); reseeded", env.rank,
-                 manifest.world_size)
+        log.info("rank %d: no saved RNG state (saved at world size %d); reseeded", env.rank, manifest.world_size)
     return tr

@@ -88,24 +88,33 @@ class Manifest:
         return (json.dumps(body, indent=1, sort_keys=False) + "\n").encode()
 
     @classmethod
-    def from_json(cls, data: bytes, *, source: str, key: bytes | None = None) -> "Manifest":
+    def from_json(cls, data: bytes, *, source: str, key: bytes | None = None) -> Manifest:
         """Parse and authenticate; ``source`` (a path or URI) goes into every error."""
         if len(data) > MAX_MANIFEST_BYTES:
-            raise ManifestError(f"{source}: manifest is {len(data)} bytes, larger than any "
-                                "ckptflow writes; refusing to parse it", path=source)
+            raise ManifestError(
+                f"{source}: manifest is {len(data)} bytes, larger than any ckptflow writes; refusing to parse it",
+                path=source,
+            )
         try:
             d = json.loads(data)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ManifestError(f"{source}: manifest is not valid JSON ({e}); the checkpoint "
-                                "is damaged, restore an older one", path=source) from None
+            raise ManifestError(
+                f"{source}: manifest is not valid JSON ({e}); the checkpoint is damaged, restore an older one",
+                path=source,
+            ) from None
         if not isinstance(d, dict) or d.get("format") != FORMAT:
-            raise ManifestError(f"{source}: not a ckptflow manifest (format "
-                                f"{d.get('format') if isinstance(d, dict) else type(d).__name__!r})",
-                                path=source)
+            raise ManifestError(
+                f"{source}: not a ckptflow manifest (format "
+                f"{d.get('format') if isinstance(d, dict) else type(d).__name__!r})",
+                path=source,
+            )
         if d.get("format_version") != FORMAT_VERSION:
-            raise ManifestError(f"{source}: manifest format_version {d.get('format_version')!r} "
-                                f"is not supported by this ckptflow (reads {FORMAT_VERSION}); "
-                                "upgrade ckptflow", path=source)
+            raise ManifestError(
+                f"{source}: manifest format_version {d.get('format_version')!r} "
+                f"is not supported by this ckptflow (reads {FORMAT_VERSION}); "
+                "upgrade ckptflow",
+                path=source,
+            )
         _authenticate(d, source, key if key is not None else signing_key())
         try:
             files = {}
@@ -120,9 +129,22 @@ class Manifest:
                 files[name] = FileEntry(size, checksum)
             if d.get("checksum_algorithm") != ALGORITHM:
                 raise ValueError(f"checksum_algorithm {d.get('checksum_algorithm')!r}")
-            known = {"format", "format_version", "run_id", "step", "world_size", "created_at",
-                     "checksum_algorithm", "total_bytes", "files", "training", "provenance",
-                     "sanity", "state", "signature"}
+            known = {
+                "format",
+                "format_version",
+                "run_id",
+                "step",
+                "world_size",
+                "created_at",
+                "checksum_algorithm",
+                "total_bytes",
+                "files",
+                "training",
+                "provenance",
+                "sanity",
+                "state",
+                "signature",
+            }
             m = cls(
                 run_id=str(d["run_id"]),
                 step=int(d["step"]),
@@ -139,11 +161,13 @@ class Manifest:
         except IntegrityError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise ManifestError(f"{source}: manifest is malformed ({e!r}); the checkpoint is "
-                                "damaged or was edited, restore an older one", path=source) from None
+            raise ManifestError(
+                f"{source}: manifest is malformed ({e!r}); the checkpoint is "
+                "damaged or was edited, restore an older one",
+                path=source,
+            ) from None
         if layout.DCP_METADATA not in m.files:
-            raise ManifestError(f"{source}: manifest does not list DCP's {layout.DCP_METADATA}",
-                                path=source)
+            raise ManifestError(f"{source}: manifest does not list DCP's {layout.DCP_METADATA}", path=source)
         return m
 
 
@@ -168,15 +192,19 @@ def _key_from_block(name: str) -> str:
     import sys
 
     if "prefect" not in sys.modules:
-        raise ConfigError(f"{KEY_BLOCK_ENV}={name!r} names a Prefect Secret block, which is read only "
-                          f"inside Prefect flows; this process must get the key itself: set {KEY_ENV}")
+        raise ConfigError(
+            f"{KEY_BLOCK_ENV}={name!r} names a Prefect Secret block, which is read only "
+            f"inside Prefect flows; this process must get the key itself: set {KEY_ENV}"
+        )
     try:
         from prefect.blocks.system import Secret
 
         value = Secret.load(name, _sync=True).value.get_secret_value()
     except Exception as e:  # the block's value never appears in the message
-        raise ConfigError(f"{KEY_BLOCK_ENV}: cannot read the Prefect Secret block {name!r} "
-                          f"({type(e).__name__}); create it, or set {KEY_ENV}") from None
+        raise ConfigError(
+            f"{KEY_BLOCK_ENV}: cannot read the Prefect Secret block {name!r} "
+            f"({type(e).__name__}); create it, or set {KEY_ENV}"
+        ) from None
     if not isinstance(value, str) or not value:
         raise ConfigError(f"{KEY_BLOCK_ENV}: the Secret block {name!r} must hold a non-empty string")
     os.environ[KEY_ENV] = value
@@ -196,13 +224,18 @@ def _authenticate(d: dict[str, Any], source: str, key: bytes | None) -> None:
         return  # signing not configured: checksums still protect against corruption
     sig = d.get("signature")
     if not isinstance(sig, dict) or sig.get("alg") != "hmac-sha256":
-        raise ManifestError(f"{source}: manifest is not signed but a signing key is configured "
-                            f"({KEY_ENV}); refusing it. Re-sign trusted checkpoints with "
-                            "'ckptflow sign' or unset the key", path=source)
+        raise ManifestError(
+            f"{source}: manifest is not signed but a signing key is configured "
+            f"({KEY_ENV}); refusing it. Restore a signed copy from another tier, or "
+            f"unset {KEY_ENV} to accept unsigned checkpoints",
+            path=source,
+        )
     body = {k: v for k, v in d.items() if k != "signature"}
     if not hmac.compare_digest(str(sig.get("value", "")), _sign(body, key)):
-        raise ManifestError(f"{source}: manifest signature does not match (tampered, or signed "
-                            "with another key); refusing it", path=source)
+        raise ManifestError(
+            f"{source}: manifest signature does not match (tampered, or signed with another key); refusing it",
+            path=source,
+        )
 
 
 def read_manifest(ckpt_dir: str, *, key: bytes | None = None) -> Manifest:
@@ -212,6 +245,8 @@ def read_manifest(ckpt_dir: str, *, key: bytes | None = None) -> Manifest:
         with open(path, "rb") as f:
             data = f.read(MAX_MANIFEST_BYTES + 1)
     except FileNotFoundError:
-        raise ManifestError(f"{path}: manifest is missing; the checkpoint was never committed "
-                            "or was damaged, restore an older one", path=path) from None
+        raise ManifestError(
+            f"{path}: manifest is missing; the checkpoint was never committed or was damaged, restore an older one",
+            path=path,
+        ) from None
     return Manifest.from_json(data, source=path, key=key)

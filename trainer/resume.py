@@ -61,8 +61,7 @@ def find_resume_point(run_path: str, *, rank: int = 0, world: int = 1, group=Non
     steps = commit.committed_steps(run_path)
     skipped: list[tuple[str, str]] = []
     if latest is not None and latest not in steps:
-        skipped.append((os.path.join(run_path, layout.step_name(latest)),
-                        "named by 'latest' but missing"))
+        skipped.append((os.path.join(run_path, layout.step_name(latest)), "named by 'latest' but missing"))
     for step in steps:
         path = os.path.join(run_path, layout.step_name(step))
         if commit.is_quarantined(run_path, step):
@@ -76,21 +75,24 @@ def find_resume_point(run_path: str, *, rank: int = 0, world: int = 1, group=Non
     return ResumeReport(None, skipped, latest)
 
 
-def check_provenance(manifest: Manifest, path: str, *, config_hash: str, data_fingerprint: str,
-                     allow_mismatch: bool) -> list[str]:
+def check_provenance(
+    manifest: Manifest, path: str, *, config_hash: str, data_fingerprint: str, allow_mismatch: bool
+) -> list[str]:
     """Refuse to resume a different experiment silently. Returns warnings if overridden."""
     saved = manifest.provenance
     diffs = []
     if saved.get("config_hash") != config_hash:
         diffs.append(f"config hash {saved.get('config_hash')!r} in the checkpoint vs {config_hash!r} now")
     if saved.get("data_fingerprint") != data_fingerprint:
-        diffs.append(f"data fingerprint {saved.get('data_fingerprint')!r} in the checkpoint vs "
-                     f"{data_fingerprint!r} now")
+        diffs.append(
+            f"data fingerprint {saved.get('data_fingerprint')!r} in the checkpoint vs {data_fingerprint!r} now"
+        )
     if diffs and not allow_mismatch:
         raise MismatchError(
             f"refusing to resume from {path}: " + "; ".join(diffs) + ". This job's config or data "
             "differs from the one that saved it. Use the original config, a new run id, or pass "
-            "--allow-mismatch (CheckpointConfig.allow_mismatch=True) to resume anyway")
+            "--allow-mismatch (CheckpointConfig.allow_mismatch=True) to resume anyway"
+        )
     return diffs
 
 
@@ -98,4 +100,5 @@ def no_checkpoint_error(run_path: str, skipped: list[tuple[str, str]]) -> Checkp
     detail = "; ".join(f"{p}: {w}" for p, w in skipped)
     return CheckpointNotFoundError(
         f"no committed checkpoint under {run_path} verifies ({detail}). Restore one from the warm "
-        "or cold tier ('ckptflow restore RUN --to DIR'), or start fresh with a new run id")
+        "or cold tier ('ckptflow restore RUN --to DIR'), or start fresh with a new run id"
+    )

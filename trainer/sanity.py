@@ -38,7 +38,6 @@ from ckptflow.trainer.errors import CkptflowError, ConfigError
 from ckptflow.trainer.loader import load_verified
 from ckptflow.trainer.resume import _verify_together
 
-
 BUILDERS_ENV = "CKPTFLOW_SANITY_BUILDERS"
 
 
@@ -61,8 +60,10 @@ def resolve_builder(name: str):
     if not mod or not fn:
         raise ConfigError(f"sanity builder {name!r} must be 'module:function'")
     if name not in allowed_builders():
-        raise ConfigError(f"sanity builder {name!r} named by the manifest is not allowed; add it to "
-                          f"${BUILDERS_ENV} (comma-separated module:function) if it is your model's builder")
+        raise ConfigError(
+            f"sanity builder {name!r} named by the manifest is not allowed; add it to "
+            f"${BUILDERS_ENV} (comma-separated module:function) if it is your model's builder"
+        )
     return getattr(importlib.import_module(mod), fn)
 
 
@@ -91,12 +92,16 @@ def _row(name: str, kind: str, t: torch.Tensor) -> dict[str, Any]:
     f = t.float()
     finite = torch.isfinite(f)
     fin = f[finite]
-    return {"name": name, "kind": kind, "numel": f.numel(),
-            "finite_frac": float(finite.float().mean()) if f.numel() else 1.0,
-            "norm": float(fin.norm()) if fin.numel() else 0.0,
-            "min": float(fin.min()) if fin.numel() else 0.0,
-            "max": float(fin.max()) if fin.numel() else 0.0,
-            "mean": float(fin.mean()) if fin.numel() else 0.0}
+    return {
+        "name": name,
+        "kind": kind,
+        "numel": f.numel(),
+        "finite_frac": float(finite.float().mean()) if f.numel() else 1.0,
+        "norm": float(fin.norm()) if fin.numel() else 0.0,
+        "min": float(fin.min()) if fin.numel() else 0.0,
+        "max": float(fin.max()) if fin.numel() else 0.0,
+        "mean": float(fin.mean()) if fin.numel() else 0.0,
+    }
 
 
 def run(ckpt_dir: str, *, rtol: float = 1e-5, want_stats: bool = False) -> dict[str, Any]:
@@ -117,8 +122,7 @@ def run(ckpt_dir: str, *, rtol: float = 1e-5, want_stats: bool = False) -> dict[
         torch.set_num_threads(int(san["torch_threads"]))
     built = resolve_builder(san["builder"])(san["config"], parallel="fsdp" if env.world_size > 1 else "none")
     t1 = time.perf_counter()
-    load_verified(ckpt_dir, manifest, env=env, model=built.model, optimizer=built.optimizer,
-                  scheduler=built.scheduler)
+    load_verified(ckpt_dir, manifest, env=env, model=built.model, optimizer=built.optimizer, scheduler=built.scheduler)
     t_load = time.perf_counter() - t1
     t2 = time.perf_counter()
     built.probe = torch.tensor(san["probe"]["tokens"], dtype=torch.long)
@@ -135,11 +139,18 @@ def run(ckpt_dir: str, *, rtol: float = 1e-5, want_stats: bool = False) -> dict[
     lr = float(built.scheduler.get_last_lr()[0])
     rec_lr = san.get("next_lr")
     lr_ok = rec_lr is None or lr == float(rec_lr)
-    out.update(probe_loss_recorded=rec, probe_loss_restored=loss, probe_match=match,
-               probe_abs_diff=abs(loss - rec), lr_recorded=rec_lr, lr_restored=lr, lr_match=lr_ok,
-               same_platform=same_platform, rtol=rtol,
-               seconds={"verify": t_verify, "load": t_load, "probe": t_probe,
-                        "total": time.perf_counter() - t0})
+    out.update(
+        probe_loss_recorded=rec,
+        probe_loss_restored=loss,
+        probe_match=match,
+        probe_abs_diff=abs(loss - rec),
+        lr_recorded=rec_lr,
+        lr_restored=lr,
+        lr_match=lr_ok,
+        same_platform=same_platform,
+        rtol=rtol,
+        seconds={"verify": t_verify, "load": t_load, "probe": t_probe, "total": time.perf_counter() - t0},
+    )
     out["ok"] = match != "mismatch" and lr_ok
     if want_stats:
         out["stats"] = tensor_stats(built.model, built.optimizer)
@@ -147,8 +158,11 @@ def run(ckpt_dir: str, *, rtol: float = 1e-5, want_stats: bool = False) -> dict[
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ckptflow.trainer.sanity", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m ckptflow.trainer.sanity",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("ckpt_dir")
     p.add_argument("--out", help="write the JSON result here (rank 0)")
     p.add_argument("--stats", action="store_true", help="include per-tensor statistics")

@@ -29,9 +29,10 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -100,8 +101,10 @@ def disk_full_hint(run_path: str, need: int) -> str:
         return ""
     if free >= max(need, 16 << 20):
         return ""
-    return (f" (the disk is full: the file system holding {run_path} has {free} bytes free, the last "
-            f"checkpoint took {need}; free space, e.g. `ckptflow prune`, then resume)")
+    return (
+        f" (the disk is full: the file system holding {run_path} has {free} bytes free, the last "
+        f"checkpoint took {need}; free space, e.g. `ckptflow prune`, then resume)"
+    )
 
 
 @dataclass
@@ -128,8 +131,9 @@ class SaveTiming:
 class AsyncSaver:
     """One rank's save engine. Public calls come from the training thread only."""
 
-    def __init__(self, *, rank: int, ckpt_group: "dist.ProcessGroup", mode: str = "async_staging",
-                 writer_threads: int = 1) -> None:
+    def __init__(
+        self, *, rank: int, ckpt_group: dist.ProcessGroup, mode: str = "async_staging", writer_threads: int = 1
+    ) -> None:
         if mode not in ASYNC_MODES:
             raise ValueError(f"async mode {mode!r} is unknown; choose one of {ASYNC_MODES}")
         self.rank = rank
@@ -138,13 +142,20 @@ class AsyncSaver:
         self.mode = mode
         self.writer_threads = writer_threads
         # Reused across saves: its CPU buffers are allocated once, then copied into.
-        self._stager = DefaultStager(StagingOptions(
-            use_pinned_memory=False, use_shared_memory=(mode == "process"),
-            use_async_staging=(mode == "async_staging"), use_non_blocking_copy=False,
-        )) if mode != "sync" else None
+        self._stager = (
+            DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=False,
+                    use_shared_memory=(mode == "process"),
+                    use_async_staging=(mode == "async_staging"),
+                    use_non_blocking_copy=False,
+                )
+            )
+            if mode != "sync"
+            else None
+        )
         self._staging: Future | None = None
         self._done: Future | None = None
-        self.timings: list[SaveTiming] = []
 
     # -- called by the manager on the training thread -------------------------------
     def submit(self, state: dict[str, Any], req: SaveRequest) -> SaveTiming:
@@ -166,22 +177,28 @@ class AsyncSaver:
             timing.blocked_s = timing.staged_s = time.perf_counter() - t0
         else:
             resp = dcp.async_save(
-                state, storage_writer=writer, process_group=self.group, async_stager=self._stager,
-                async_checkpointer_type=(AsyncCheckpointerType.PROCESS if self.mode == "process"
-                                         else AsyncCheckpointerType.THREAD),
+                state,
+                storage_writer=writer,
+                process_group=self.group,
+                async_stager=self._stager,
+                async_checkpointer_type=(
+                    AsyncCheckpointerType.PROCESS if self.mode == "process" else AsyncCheckpointerType.THREAD
+                ),
             )
             if isinstance(resp, AsyncSaveResponse):
                 self._staging, upload = resp.staging_completion, resp.upload_completion
-                self._staging.add_done_callback(
-                    lambda _f: setattr(timing, "staged_s", time.perf_counter() - t0))
+                self._staging.add_done_callback(lambda _f: setattr(timing, "staged_s", time.perf_counter() - t0))
             else:  # staging finished synchronously inside async_save
                 upload = resp
                 timing.staged_s = time.perf_counter() - t0
             timing.blocked_s = time.perf_counter() - t0
         self._done = Future()
-        threading.Thread(target=self._commit, args=(upload, writer, req, timing, t0, self._done),
-                         name=f"ckptflow-commit-{req.step}", daemon=True).start()
-        self.timings.append(timing)
+        threading.Thread(
+            target=self._commit,
+            args=(upload, writer, req, timing, t0, self._done),
+            name=f"ckptflow-commit-{req.step}",
+            daemon=True,
+        ).start()
         return timing
 
     def wait_for_staging(self) -> None:
@@ -208,8 +225,9 @@ class AsyncSaver:
                 self._stager = None
 
     # -- background ------------------------------------------------------------------
-    def _commit(self, upload: Future, writer: _FaultingWriter, req: SaveRequest,
-                timing: SaveTiming, t0: float, done: Future) -> None:
+    def _commit(
+        self, upload: Future, writer: _FaultingWriter, req: SaveRequest, timing: SaveTiming, t0: float, done: Future
+    ) -> None:
         try:
             err: BaseException | None = None
             referenced: set[str] = set()
@@ -233,8 +251,9 @@ class AsyncSaver:
                 except OSError as e:
                     err = e
             gathered: list | None = [None] * dist.get_world_size(self.group) if self.rank == 0 else None
-            dist.gather_object((entries, repr(err) if err else None, sorted(referenced)), gathered, dst=0,
-                               group=self.group)
+            dist.gather_object(
+                (entries, repr(err) if err else None, sorted(referenced)), gathered, dst=0, group=self.group
+            )
             outcome: list = [None]
             if self.rank == 0:
                 outcome[0] = self._coordinate(gathered, req)
@@ -242,17 +261,21 @@ class AsyncSaver:
             timing.committed_s = time.perf_counter() - t0
             status, detail = outcome[0]
             if status != "ok":
-                raise SaveError(f"checkpoint of step {req.step} in {req.run_path} was not committed: "
-                                f"{detail}{disk_full_hint(req.run_path, self._last_bytes)}; "
-                                "earlier checkpoints are untouched")
+                raise SaveError(
+                    f"checkpoint of step {req.step} in {req.run_path} was not committed: "
+                    f"{detail}{disk_full_hint(req.run_path, self._last_bytes)}; "
+                    "earlier checkpoints are untouched"
+                )
             timing.bytes = int(detail)
             self._last_bytes = timing.bytes
             done.set_result(timing)
         except BaseException as e:  # surface on the training thread at the next wait()
             if not isinstance(e, SaveError):
-                e = SaveError(f"checkpoint of step {req.step} in {req.run_path} failed: {e!r}"
-                              f"{disk_full_hint(req.run_path, self._last_bytes)}; "
-                              "earlier checkpoints are untouched")
+                e = SaveError(
+                    f"checkpoint of step {req.step} in {req.run_path} failed: {e!r}"
+                    f"{disk_full_hint(req.run_path, self._last_bytes)}; "
+                    "earlier checkpoints are untouched"
+                )
             done.set_exception(e)
 
     def _coordinate(self, gathered: list, req: SaveRequest) -> tuple[str, Any]:

@@ -86,6 +86,19 @@ def _buffer_names(model: torch.nn.Module) -> set[str]:
     return {name for name, _ in model.named_buffers()}
 
 
+def train_state(
+    step: int, *, scheduler: Any = None, scaler: Any = None, sampler: Any = None, extra: Any = None
+) -> dict[str, Any]:
+    """The rank-independent ``train`` part of the state dict."""
+    return {
+        "step": step,
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "sampler": sampler.state_dict() if sampler is not None else None,
+        "extra": extra.state_dict() if extra is not None else None,
+    }
+
+
 def build_save_state(
     *,
     model: torch.nn.Module,
@@ -137,8 +150,7 @@ def apply_loaded_state(
     loaded: dict[str, Any], *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
 ) -> None:
     if optimizer is not None:
-        set_state_dict(model, optimizer, model_state_dict=loaded["model"],
-                       optim_state_dict=loaded["optim"])
+        set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
     else:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 

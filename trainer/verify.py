@@ -58,8 +58,10 @@ def resolve_member(ckpt_dir: str, name: str) -> str:
     root = os.path.realpath(ckpt_dir)
     real = os.path.realpath(path)
     if real != root and not real.startswith(root + os.sep):
-        raise UnsafePathError(f"{path}: resolves outside the checkpoint ({real}); a symlink "
-                              "points out of it, refusing to read it", path=path)
+        raise UnsafePathError(
+            f"{path}: resolves outside the checkpoint ({real}); a symlink points out of it, refusing to read it",
+            path=path,
+        )
     return path
 
 
@@ -111,9 +113,13 @@ def verify_checkpoint(
         return res
     got = (res.manifest.run_id, res.manifest.step)
     if expect is not None and got != tuple(expect):
-        res.problems.append(Problem(os.path.join(ckpt_dir, layout.MANIFEST),
-                                    f"manifest is for {got[0]} step {got[1]}, not {expect[0]} step "
-                                    f"{expect[1]}; copied from another run or step"))
+        res.problems.append(
+            Problem(
+                os.path.join(ckpt_dir, layout.MANIFEST),
+                f"manifest is for {got[0]} step {got[1]}, not {expect[0]} step "
+                f"{expect[1]}; copied from another run or step",
+            )
+        )
         return res
     names = sorted(res.manifest.files) if only is None else sorted(only)
     todo = [(n, res.manifest.files[n]) for n in names]

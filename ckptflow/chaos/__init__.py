@@ -21,8 +21,13 @@ from __future__ import annotations
 
 from typing import Any
 
-_EXPORTS = {"Options": "ckptflow.chaos.campaign", "KINDS": "ckptflow.chaos.model", "TrialResult": "ckptflow.chaos.model",
-            "CampaignReport": "ckptflow.chaos.runner", "run_campaign": "ckptflow.chaos.runner"}
+_EXPORTS = {
+    "Options": "ckptflow.chaos.campaign",
+    "KINDS": "ckptflow.chaos.model",
+    "TrialResult": "ckptflow.chaos.model",
+    "CampaignReport": "ckptflow.chaos.runner",
+    "run_campaign": "ckptflow.chaos.runner",
+}
 
 __all__ = sorted(_EXPORTS)
 

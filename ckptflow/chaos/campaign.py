@@ -17,13 +17,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ckptflow.trainer import layout
-from ckptflow.trainer.errors import CkptflowError
-from ckptflow.trainer.manifest import KEY_BLOCK_ENV, KEY_ENV
-
 from ckptflow.chaos import procs
 from ckptflow.chaos.servers import HarnessError, MotoServer, PrefectServer
 from ckptflow.chaos.workspace import RUN_ID, Scratch, Style, clone, committed_by_tier
+from ckptflow.trainer import layout
+from ckptflow.trainer.errors import CkptflowError
+from ckptflow.trainer.manifest import KEY_BLOCK_ENV, KEY_ENV
 
 TRAIN_STEPS, SAVE_EVERY = 10, 2
 """Trainer trials (kill, enospc): saves at 2, 4, 6, 8, 10."""
@@ -70,10 +69,15 @@ class Campaign:
         self.workdir = os.path.abspath(opts.workdir or tempfile.mkdtemp(prefix="ckptflow-chaos-"))
         os.makedirs(os.path.join(self.workdir, "logs"), exist_ok=True)
         self._quiet = _LogsToFile(self.log("campaign.log"))
-        creds = {"AWS_ACCESS_KEY_ID": "ckptflow-chaos", "AWS_SECRET_ACCESS_KEY": "ckptflow-chaos-" + secrets.token_hex(8),
-                 "AWS_DEFAULT_REGION": "us-east-1", "AWS_SESSION_TOKEN": "",
-                 "PREFECT_HOME": os.path.join(self.workdir, "prefect-client"),
-                 "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_LOGGING_LEVEL": "WARNING"}
+        creds = {
+            "AWS_ACCESS_KEY_ID": "ckptflow-chaos",
+            "AWS_SECRET_ACCESS_KEY": "ckptflow-chaos-" + secrets.token_hex(8),
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_SESSION_TOKEN": "",
+            "PREFECT_HOME": os.path.join(self.workdir, "prefect-client"),
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PREFECT_LOGGING_LEVEL": "WARNING",
+        }
         for k in ("AWS_PROFILE", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE", "AWS_ENDPOINT_URL", KEY_BLOCK_ENV):
             creds[k] = ""  # the campaign decides credentials and signing, never the user's setup
         if opts.sign:
@@ -111,13 +115,18 @@ class Campaign:
 
     def scratch(self, index: int, kind: str, *, sanity: bool | None = None) -> Scratch:
         """Empty tiers for one trial."""
-        return Scratch(self.trial_dir(index, kind), self.bucket, f"trials/{index:04d}", self.moto.url,
-                       self.opts.style, sanity=sanity)
+        return Scratch(
+            self.trial_dir(index, kind),
+            self.bucket,
+            f"trials/{index:04d}",
+            self.moto.url,
+            self.opts.style,
+            sanity=sanity,
+        )
 
     def clone_golden(self, index: int, kind: str, *, final: bool = False) -> Scratch:
         g = self.golden()
-        return clone(g.final if final else g.golden, self.trial_dir(index, kind), self.s3,
-                     prefix=f"trials/{index:04d}")
+        return clone(g.final if final else g.golden, self.trial_dir(index, kind), self.s3, prefix=f"trials/{index:04d}")
 
     # ---- built once -----------------------------------------------------------------
 
@@ -125,8 +134,7 @@ class Campaign:
         if self._golden is None:
             t0 = time.monotonic()
             self.say("building the golden workspace (train steps 2,4,6; lifecycle of 2 and 4)")
-            g = Scratch(os.path.join(self.workdir, "golden"), self.bucket, "golden", self.moto.url,
-                        self.opts.style)
+            g = Scratch(os.path.join(self.workdir, "golden"), self.bucket, "golden", self.moto.url, self.opts.style)
             from ckptflow.chaos.worker import run_stages
 
             self.quiet_logs()  # importing prefect just added console handlers
@@ -141,13 +149,19 @@ class Campaign:
             f = clone(g, os.path.join(self.workdir, "final"), self.s3, prefix="final")
             self._stages(run_stages, f.config_path, 6, stages=("compress", "promote", "archive", "prune"))
             self._golden = Golden(g, f, before, committed_by_tier(f))
-            self.say(f"golden ready in {time.monotonic() - t0:.0f} s: before {before}, after step 6's "
-                     f"lifecycle {self._golden.after}")
+            self.say(
+                f"golden ready in {time.monotonic() - t0:.0f} s: before {before}, after step 6's "
+                f"lifecycle {self._golden.after}"
+            )
         return self._golden
 
     def _train(self, g: Scratch, max_steps: int) -> None:
-        r = procs.run(procs.train_cmd(g.hot, RUN_ID, nproc=1, max_steps=max_steps, save_every=2), env=self.env,
-                      log_path=self.log("golden-train.log"), timeout=self.opts.timeout_s)
+        r = procs.run(
+            procs.train_cmd(g.hot, RUN_ID, nproc=1, max_steps=max_steps, save_every=2),
+            env=self.env,
+            log_path=self.log("golden-train.log"),
+            timeout=self.opts.timeout_s,
+        )
         if r.rc != 0:
             raise HarnessError(f"training the golden run failed (rc={r.rc}); see {r.log_path}")
 
@@ -161,8 +175,12 @@ class Campaign:
         """(loss, lr) per step of an uninterrupted trainer run: what an exact resume reproduces."""
         if nproc not in self._baselines:
             root = os.path.join(self.workdir, f"baseline-ws{nproc}")
-            r = procs.run(procs.train_cmd(root, RUN_ID, nproc=nproc, max_steps=TRAIN_STEPS, save_every=SAVE_EVERY),
-                          env=self.env, log_path=self.log(f"baseline-ws{nproc}.log"), timeout=self.opts.timeout_s)
+            r = procs.run(
+                procs.train_cmd(root, RUN_ID, nproc=nproc, max_steps=TRAIN_STEPS, save_every=SAVE_EVERY),
+                env=self.env,
+                log_path=self.log(f"baseline-ws{nproc}.log"),
+                timeout=self.opts.timeout_s,
+            )
             if r.rc != 0:
                 raise HarnessError(f"the uninterrupted baseline run failed (rc={r.rc}); see {r.log_path}")
             self._baselines[nproc] = procs.metrics(layout.run_dir(root, RUN_ID))
@@ -173,8 +191,9 @@ class Campaign:
         """The trainer's own timing summary with no Prefect configured (the stall reference)."""
         if self._train_baseline is None:
             root = os.path.join(self.workdir, "baseline-prefect")
-            r = procs.run(cmd_for(root), env=self.env, log_path=self.log("baseline-prefect.log"),
-                          timeout=self.opts.timeout_s)
+            r = procs.run(
+                cmd_for(root), env=self.env, log_path=self.log("baseline-prefect.log"), timeout=self.opts.timeout_s
+            )
             if r.rc != 0 or r.summary() is None:
                 raise HarnessError(f"the no-Prefect baseline run failed (rc={r.rc}); see {r.log_path}")
             self._train_baseline = r.summary()
@@ -185,8 +204,9 @@ class Campaign:
         if self._prefect is None:
             t0 = time.monotonic()
             self.say("starting a Prefect server for the prefect trials")
-            self._prefect = PrefectServer(os.path.join(self.workdir, "prefect-server"), self.log("prefect-server.log"),
-                                          self.env)
+            self._prefect = PrefectServer(
+                os.path.join(self.workdir, "prefect-server"), self.log("prefect-server.log"), self.env
+            )
             self.say(f"prefect server up in {time.monotonic() - t0:.0f} s")
         return self._prefect
 

@@ -22,15 +22,14 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ckptflow.chaos.workspace import Scratch, list_keys
 from ckptflow.tasks.storage import Tier
-from ckptflow.tasks.storage.tier import DELETING_SUFFIX
 from ckptflow.tasks.transfer import fetch, restore
 from ckptflow.trainer import commit, layout
+from ckptflow.trainer.atomicity import DELETING_SUFFIX
 from ckptflow.trainer.errors import CkptflowError
 from ckptflow.trainer.resume import find_resume_point
 from ckptflow.trainer.verify import verify_checkpoint
-
-from ckptflow.chaos.workspace import Scratch, list_keys
 
 
 @dataclass(slots=True)
@@ -76,8 +75,11 @@ def tier_views(scratch: Scratch, tiers: Sequence[Tier] | None = None) -> dict[st
 
 def half_committed(views: dict[str, TierView]) -> list[str]:
     """A committed checkpoint that does not verify: the one thing a commit protocol forbids."""
-    return [f"{v.tier} step {s} is committed but does not verify: {why}"
-            for v in views.values() for s, why in sorted(v.bad.items())]
+    return [
+        f"{v.tier} step {s} is committed but does not verify: {why}"
+        for v in views.values()
+        for s, why in sorted(v.bad.items())
+    ]
 
 
 def lost_steps(views: dict[str, TierView], must_survive: set[int]) -> list[str]:
@@ -113,8 +115,7 @@ def restore_check(tiers: Sequence[Tier], scratch: Scratch) -> RestoreOutcome:
         got = restore(list(tiers), scratch.run_id, dst)
         res = verify_checkpoint(got.dst_dir)
         problem = None if res.ok else f"restore returned {got.uri}, which does not verify: {res.problems[0]}"
-        return RestoreOutcome(got.step, got.tier, problem, [(k.uri, k.reason) for k in got.skipped],
-                              got.seconds)
+        return RestoreOutcome(got.step, got.tier, problem, [(k.uri, k.reason) for k in got.skipped], got.seconds)
     except (CkptflowError, OSError) as e:
         return RestoreOutcome(None, None, f"{type(e).__name__}: {e}", [], 0.0)
     finally:
@@ -159,7 +160,7 @@ class NoUnpickle:
     _installed = False
     _active: dict[int, list[tuple[str, str]]] = {}
 
-    def __enter__(self) -> "NoUnpickle":
+    def __enter__(self) -> NoUnpickle:
         if not NoUnpickle._installed:
             sys.addaudithook(NoUnpickle._hook)
             NoUnpickle._installed = True

@@ -38,7 +38,7 @@ class Ran:
         """The reference job's ``ckptflow-summary`` line, if it printed one."""
         for line in reversed(self.output.splitlines()):
             if line.startswith("ckptflow-summary "):
-                return json.loads(line[len("ckptflow-summary "):])
+                return json.loads(line[len("ckptflow-summary ") :])
         return None
 
     def tail(self, n: int = 1500) -> str:
@@ -50,8 +50,15 @@ def base_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return child_env(extra)
 
 
-def run(cmd: list[str], *, env: dict[str, str], log_path: str, timeout: float, cwd: str = REPO,
-        started: Callable[[subprocess.Popen], None] | None = None) -> Ran:
+def run(
+    cmd: list[str],
+    *,
+    env: dict[str, str],
+    log_path: str,
+    timeout: float,
+    cwd: str = REPO,
+    started: Callable[[subprocess.Popen], None] | None = None,
+) -> Ran:
     """Run to completion (or timeout, then SIGKILL the whole process group). ``started`` is
     called with the process right after it starts (a trial's fault thread hooks in there)."""
     t0 = time.monotonic()
@@ -59,8 +66,7 @@ def run(cmd: list[str], *, env: dict[str, str], log_path: str, timeout: float, c
         log.write(f"$ {' '.join(cmd)}\n".encode())
         log.flush()
         start_at = log.tell()
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         if started is not None:
             started(proc)
         try:
@@ -75,10 +81,9 @@ def run(cmd: list[str], *, env: dict[str, str], log_path: str, timeout: float, c
     return Ran(rc, seconds, out, log_path)
 
 
-
-
-def train_cmd(root: str, run_id: str, *, nproc: int, max_steps: int, save_every: int,
-              extra: list[str] | None = None) -> list[str]:
+def train_cmd(
+    root: str, run_id: str, *, nproc: int, max_steps: int, save_every: int, extra: list[str] | None = None
+) -> list[str]:
     """The reference job (tiny model): a plain process at world size 1, torchrun above."""
     return reference_job(root, run_id, nproc=nproc, max_steps=max_steps, save_every=save_every, extra=extra)
 

@@ -20,26 +20,48 @@ def trial_line(r: TrialResult) -> str:
 
 
 def problems(r: TrialResult) -> list[str]:
-    return ([f"error: {r.error.splitlines()[0]}"] if r.error else []) + \
-        [f"lost: {x}" for x in r.lost] + [f"undetected: {x}" for x in r.undetected] + \
-        [f"violation: {x}" for x in r.violations] + \
-        ([] if r.recovered or not r.injected else ["not recovered"])
+    return (
+        ([f"error: {r.error.splitlines()[0]}"] if r.error else [])
+        + [f"lost: {x}" for x in r.lost]
+        + [f"undetected: {x}" for x in r.undetected]
+        + [f"violation: {x}" for x in r.violations]
+        + ([] if r.recovered or not r.injected else ["not recovered"])
+    )
 
 
-def print_report(rep: "CampaignReport", con: "Console") -> None:
+def print_report(rep: CampaignReport, con: Console) -> None:
     from rich.table import Table
 
-    tbl = Table(title=f"ckptflow chaos — {len(rep.results)} trials, seed {rep.seed}, "
-                      f"{rep.seconds / 60:.1f} min")
-    for c in ("kind", "trials", "faults injected", "detected", "recovered", "data lost", "undetected",
-              "violations", "findings", "longest recovery"):
+    tbl = Table(title=f"ckptflow chaos — {len(rep.results)} trials, seed {rep.seed}, {rep.seconds / 60:.1f} min")
+    for c in (
+        "kind",
+        "trials",
+        "faults injected",
+        "detected",
+        "recovered",
+        "data lost",
+        "undetected",
+        "violations",
+        "findings",
+        "longest recovery",
+    ):
         tbl.add_column(c, justify="left" if c == "kind" else "right")
     for name, s in summarize(rep.results).items():
         style = "bold" if name == "total" else None
         longest = f"{s.longest_recovery_s:.1f} s" if s.longest_recovery_trial is not None else "-"
-        tbl.add_row(name, str(s.trials), str(s.faults), f"{s.detected}/{s.faulted_trials}",
-                    f"{s.recovered}/{s.faulted_trials}", _red(s.lost), _red(s.undetected), _red(s.violations),
-                    str(s.findings), longest, style=style)
+        tbl.add_row(
+            name,
+            str(s.trials),
+            str(s.faults),
+            f"{s.detected}/{s.faulted_trials}",
+            f"{s.recovered}/{s.faulted_trials}",
+            _red(s.lost),
+            _red(s.undetected),
+            _red(s.violations),
+            str(s.findings),
+            longest,
+            style=style,
+        )
     con.print(tbl)
     total = summarize(rep.results)["total"]
     if total.not_injected:
@@ -49,8 +71,10 @@ def print_report(rep: "CampaignReport", con: "Console") -> None:
         for f in r.findings:
             found.setdefault(f, []).append(r.index)
     for f, idx in found.items():
-        con.print(f"[yellow]finding[/] (trials {', '.join(map(str, idx[:8]))}{'…' if len(idx) > 8 else ''}): "
-                  f"{f}", highlight=False)
+        con.print(
+            f"[yellow]finding[/] (trials {', '.join(map(str, idx[:8]))}{'…' if len(idx) > 8 else ''}): {f}",
+            highlight=False,
+        )
     bad = [r for r in rep.results if not r.ok]
     for r in bad:
         con.print(f"[red]trial {r.index} ({r.kind}, {r.fault})[/]" + (f" — kept in {r.workdir}" if r.workdir else ""))

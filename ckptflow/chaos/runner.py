@@ -22,11 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptflow.trainer.manifest import KEY_ENV
-
 from ckptflow.chaos.campaign import Campaign, Options
 from ckptflow.chaos.kinds import module
 from ckptflow.chaos.model import KINDS, TrialPlan, TrialResult, campaign_ok, summarize
+from ckptflow.trainer.manifest import KEY_ENV
 
 
 @dataclass(slots=True)
@@ -42,10 +41,15 @@ class CampaignReport:
         return campaign_ok(self.results)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"ok": self.ok, "seed": self.seed, "options": self.options, "seconds": round(self.seconds, 1),
-                "workdir": self.workdir,
-                "summary": {k: v.to_dict() for k, v in summarize(self.results).items()},
-                "trials": [r.to_dict() for r in self.results]}
+        return {
+            "ok": self.ok,
+            "seed": self.seed,
+            "options": self.options,
+            "seconds": round(self.seconds, 1),
+            "workdir": self.workdir,
+            "summary": {k: v.to_dict() for k, v in summarize(self.results).items()},
+            "trials": [r.to_dict() for r in self.results],
+        }
 
 
 def plan_trials(opts: Options, camp: Campaign | None) -> list[TrialPlan]:
@@ -62,8 +66,9 @@ def plan_trials(opts: Options, camp: Campaign | None) -> list[TrialPlan]:
     return plans
 
 
-def run_campaign(opts: Options, *, say: Callable[[str], None] = print,
-                 on_result: Callable[[TrialResult], None] | None = None) -> CampaignReport:
+def run_campaign(
+    opts: Options, *, say: Callable[[str], None] = print, on_result: Callable[[TrialResult], None] | None = None
+) -> CampaignReport:
     t0 = time.monotonic()
     camp = Campaign(opts, say)
     rep = CampaignReport(opts.seed, _public(opts), workdir=camp.workdir)
@@ -98,8 +103,13 @@ def _run_one(camp: Campaign, tp: TrialPlan) -> TrialResult:
     try:
         res = module(tp.kind).run(camp, tp)
     except Exception as e:  # noqa: BLE001 - the harness failing is recorded, the campaign goes on
-        res = TrialResult(tp.index, tp.kind, f"{tp.kind} (harness error)", tp.params,
-                          error=f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}")
+        res = TrialResult(
+            tp.index,
+            tp.kind,
+            f"{tp.kind} (harness error)",
+            tp.params,
+            error=f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}",
+        )
     res.seconds = time.monotonic() - t0
     return res
 
@@ -121,7 +131,14 @@ def _secret_check(res: TrialResult, tdir: str, secrets: list[str]) -> None:
 
 
 def _public(opts: Options) -> dict[str, Any]:
-    return {"trials": opts.trials, "kinds": list(opts.kinds), "weights": opts.weights, "seed": opts.seed,
-            "sign": opts.sign,
-            "s3_share": opts.s3_share, "prefect_share": opts.prefect_share, "world2_share": opts.world2_share,
-            "style": opts.style.source}
+    return {
+        "trials": opts.trials,
+        "kinds": list(opts.kinds),
+        "weights": opts.weights,
+        "seed": opts.seed,
+        "sign": opts.sign,
+        "s3_share": opts.s3_share,
+        "prefect_share": opts.prefect_share,
+        "world2_share": opts.world2_share,
+        "style": opts.style.source,
+    }

@@ -40,10 +40,11 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 MODES = ("500", "503", "reset", "reset_after", "stall")
-_HOP = {"connection", "keep-alive", "proxy-connection", "proxy-authorization", "te", "trailers",
-        "upgrade", "expect"}
-_S3_ERROR = ("<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>{code}</Code><Message>{msg}"
-             "</Message><RequestId>ckptflow-chaos</RequestId></Error>")
+_HOP = {"connection", "keep-alive", "proxy-connection", "proxy-authorization", "te", "trailers", "upgrade", "expect"}
+_S3_ERROR = (
+    '<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>{msg}'
+    "</Message><RequestId>ckptflow-chaos</RequestId></Error>"
+)
 
 
 @dataclass
@@ -59,16 +60,28 @@ class ProxyStats:
         return {k: n for k, n in self.completed_uploads.items() if n > 1}
 
     def to_dict(self) -> dict:
-        return {"requests": self.requests, "faults": dict(self.faults), "methods": dict(self.methods),
-                "duplicate_uploads": self.duplicate_uploads()}
+        return {
+            "requests": self.requests,
+            "faults": dict(self.faults),
+            "methods": dict(self.methods),
+            "duplicate_uploads": self.duplicate_uploads(),
+        }
 
 
 class FaultProxy:
     """``with FaultProxy("http://127.0.0.1:5000", share=0.2, seed=1) as p: ... p.url ...``"""
 
-    def __init__(self, upstream: str, *, share: float = 0.0, modes: tuple[str, ...] = MODES,
-                 seed: int = 0, stall_s: tuple[float, float] = (0.2, 1.5),
-                 upstream_timeout_s: float = 120.0, paths: str | None = None) -> None:
+    def __init__(
+        self,
+        upstream: str,
+        *,
+        share: float = 0.0,
+        modes: tuple[str, ...] = MODES,
+        seed: int = 0,
+        stall_s: tuple[float, float] = (0.2, 1.5),
+        upstream_timeout_s: float = 120.0,
+        paths: str | None = None,
+    ) -> None:
         u = urllib.parse.urlsplit(upstream)
         if u.scheme != "http" or not u.hostname:
             raise ValueError(f"FaultProxy upstream must be http://host:port, not {upstream!r}")
@@ -85,8 +98,13 @@ class FaultProxy:
 
     # ---- control ----------------------------------------------------------------
 
-    def set_faults(self, *, share: float | None = None, modes: tuple[str, ...] | None = None,
-                   stall_s: tuple[float, float] | None = None) -> None:
+    def set_faults(
+        self,
+        *,
+        share: float | None = None,
+        modes: tuple[str, ...] | None = None,
+        stall_s: tuple[float, float] | None = None,
+    ) -> None:
         """Change what misbehaves, while running (e.g. share=0 for a clean re-run)."""
         with self._lock:
             if share is not None:
@@ -101,7 +119,7 @@ class FaultProxy:
             if stall_s is not None:
                 self.stall_s = stall_s
 
-    def start(self) -> "FaultProxy":
+    def start(self) -> FaultProxy:
         proxy = self
 
         class Handler(_Handler):
@@ -109,8 +127,7 @@ class FaultProxy:
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name="ckptflow-chaos-proxy",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, name="ckptflow-chaos-proxy", daemon=True)
         self._thread.start()
         return self
 
@@ -120,7 +137,7 @@ class FaultProxy:
             self._server.server_close()
             self._server = None
 
-    def __enter__(self) -> "FaultProxy":
+    def __enter__(self) -> FaultProxy:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -195,7 +212,7 @@ class _Handler(BaseHTTPRequestHandler):
             if k.lower() not in _HOP and k.lower() not in ("transfer-encoding", "content-length"):
                 self.send_header(k, v)
         if self.command == "HEAD":
-            length = dict((k.lower(), v) for k, v in headers).get("content-length")
+            length = {k.lower(): v for k, v in headers}.get("content-length")
             if length is not None:
                 self.send_header("Content-Length", length)
         else:
@@ -210,8 +227,11 @@ class _Handler(BaseHTTPRequestHandler):
     def _is_upload(self) -> bool:
         q = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query, keep_blank_values=True)
         if self.command == "PUT":
-            return "partNumber" not in q and "tagging" not in q and "x-amz-copy-source" not in {
-                k.lower() for k in self.headers}
+            return (
+                "partNumber" not in q
+                and "tagging" not in q
+                and "x-amz-copy-source" not in {k.lower() for k in self.headers}
+            )
         return self.command == "POST" and "uploadId" in q  # CompleteMultipartUpload
 
     def _read_body(self) -> bytes:
@@ -235,8 +255,9 @@ class _Handler(BaseHTTPRequestHandler):
             raw += self.rfile.read(size + 2)
 
     def _forward(self, body: bytes) -> tuple[int, str, list[tuple[str, str]], bytes]:
-        conn = http.client.HTTPConnection(self.owner.upstream_host, self.owner.upstream_port,
-                                          timeout=self.owner.upstream_timeout_s)
+        conn = http.client.HTTPConnection(
+            self.owner.upstream_host, self.owner.upstream_port, timeout=self.owner.upstream_timeout_s
+        )
         try:
             conn.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
             for k, v in self.headers.items():
@@ -253,9 +274,11 @@ class _Handler(BaseHTTPRequestHandler):
             conn.close()
 
     def _error(self, status: int) -> None:
-        code, msg = {500: ("InternalError", "We encountered an internal error. Please try again."),
-                     502: ("BadGateway", "The upstream server could not be reached."),
-                     503: ("SlowDown", "Please reduce your request rate.")}[status]
+        code, msg = {
+            500: ("InternalError", "We encountered an internal error. Please try again."),
+            502: ("BadGateway", "The upstream server could not be reached."),
+            503: ("SlowDown", "Please reduce your request rate."),
+        }[status]
         data = _S3_ERROR.format(code=code, msg=msg).encode()
         self.send_response_only(status)
         self.send_header("Content-Type", "application/xml")
@@ -280,8 +303,11 @@ class _Handler(BaseHTTPRequestHandler):
     def _tunnel(self, body: bytes) -> None:
         """WebSocket (Prefect's event stream): replay the request upstream, then pipe bytes."""
         up = socket.create_connection((self.owner.upstream_host, self.owner.upstream_port), timeout=10)
-        head = f"{self.command} {self.path} HTTP/1.1\r\n" + "".join(
-            f"{k}: {v}\r\n" for k, v in self.headers.items()) + "\r\n"
+        head = (
+            f"{self.command} {self.path} HTTP/1.1\r\n"
+            + "".join(f"{k}: {v}\r\n" for k, v in self.headers.items())
+            + "\r\n"
+        )
         up.sendall(head.encode() + body)
         self.wfile.flush()
         down = self.connection

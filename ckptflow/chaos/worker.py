@@ -22,8 +22,9 @@ import sys
 from typing import Any
 
 
-def run_stages(config: str, run_id: str, step: int, stages: tuple[str, ...] | None = None,
-               sanity: bool | None = None) -> dict[str, Any]:
+def run_stages(
+    config: str, run_id: str, step: int, stages: tuple[str, ...] | None = None, sanity: bool | None = None
+) -> dict[str, Any]:
     """The lifecycle of one step without the flow around it; returns each stage's result."""
     import dataclasses
 
@@ -33,8 +34,9 @@ def run_stages(config: str, run_id: str, step: int, stages: tuple[str, ...] | No
 
     cfg = load_config(config)
     if sanity is not None:
-        cfg = dataclasses.replace(cfg, lifecycle=dataclasses.replace(cfg.lifecycle, sanity_step=sanity,
-                                                                     expectations=sanity))
+        cfg = dataclasses.replace(
+            cfg, lifecycle=dataclasses.replace(cfg.lifecycle, sanity_step=sanity, expectations=sanity)
+        )
     ref = CheckpointRef(cfg, run_id, step)
     out: dict[str, Any] = {}
     for stage in STAGES:

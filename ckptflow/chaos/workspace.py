@@ -48,21 +48,28 @@ class Style:
     source: str = "built-in"
 
     @classmethod
-    def from_config(cls, cfg: CkptflowConfig | None) -> "Style":
+    def from_config(cls, cfg: CkptflowConfig | None) -> Style:
         if cfg is None:
             return cls()
-        kw: dict = {"source": cfg.source, "sanity_step": cfg.lifecycle.sanity_step,
-                    "expectations": cfg.lifecycle.expectations,
-                    "max_norm_change": cfg.lifecycle.max_norm_change}
+        kw: dict = {
+            "source": cfg.source,
+            "sanity_step": cfg.lifecycle.sanity_step,
+            "expectations": cfg.lifecycle.expectations,
+            "max_norm_change": cfg.lifecycle.max_norm_change,
+        }
         if cfg.warm is not None:
             kw.update(warm_codec=cfg.warm.codec, warm_level=cfg.warm.level)
         if cfg.cold is not None:
-            kw.update(cold_codec=cfg.cold.codec, cold_level=cfg.cold.level,
-                      storage_class=cfg.cold.storage_class, object_tags=cfg.cold.object_tags,
-                      max_concurrency=cfg.cold.max_concurrency,
-                      # a trial's checkpoints are ~2 MB: the smallest part S3 allows keeps
-                      # multipart reachable when the user's parts are larger
-                      multipart_chunksize_mb=min(cfg.cold.multipart_chunksize_mb, 8))
+            kw.update(
+                cold_codec=cfg.cold.codec,
+                cold_level=cfg.cold.level,
+                storage_class=cfg.cold.storage_class,
+                object_tags=cfg.cold.object_tags,
+                max_concurrency=cfg.cold.max_concurrency,
+                # a trial's checkpoints are ~2 MB: the smallest part S3 allows keeps
+                # multipart reachable when the user's parts are larger
+                multipart_chunksize_mb=min(cfg.cold.multipart_chunksize_mb, 8),
+            )
         return cls(**kw)
 
 
@@ -101,7 +108,7 @@ class Scratch:
     def run_path(self) -> str:
         return layout.run_dir(self.hot, self.run_id)
 
-    def with_run(self, run_id: str) -> "Scratch":
+    def with_run(self, run_id: str) -> Scratch:
         self.run_id = layout.check_run_id(run_id)
         return self
 
@@ -139,15 +146,23 @@ class Scratch:
 
         text = (
             "# written by ckptflow chaos: scratch tiers of one trial, never the user's\n"
-            f"[hot]\nurl = \"{self.hot}\"\n[hot.retention]\nkeep_last = {KEEP_LAST}\n"
-            f"[warm]\nurl = \"{self.warm}\"\n" + opt("codec", s.warm_codec) + opt("level", s.warm_level)
+            f'[hot]\nurl = "{self.hot}"\n[hot.retention]\nkeep_last = {KEEP_LAST}\n'
+            f'[warm]\nurl = "{self.warm}"\n'
+            + opt("codec", s.warm_codec)
+            + opt("level", s.warm_level)
             + f"[warm.retention]\nkeep_last = {KEEP_LAST}\n"
-            f"[cold]\nurl = \"{self.cold_url}\"\n" + opt("codec", s.cold_codec) + opt("level", s.cold_level)
-            + opt("endpoint_url", self.endpoint) + opt("storage_class", s.storage_class)
+            f'[cold]\nurl = "{self.cold_url}"\n'
+            + opt("codec", s.cold_codec)
+            + opt("level", s.cold_level)
+            + opt("endpoint_url", self.endpoint)
+            + opt("storage_class", s.storage_class)
             + opt("multipart_chunksize_mb", s.multipart_chunksize_mb)
-            + opt("max_concurrency", s.max_concurrency) + opt("object_tags", s.object_tags)
+            + opt("max_concurrency", s.max_concurrency)
+            + opt("object_tags", s.object_tags)
             + f"[cold.retention]\nkeep_last = {KEEP_LAST}\n"
-            "[lifecycle]\n" + opt("sanity_step", sanity) + opt("expectations", s.expectations and sanity)
+            "[lifecycle]\n"
+            + opt("sanity_step", sanity)
+            + opt("expectations", s.expectations and sanity)
             + opt("max_norm_change", float(s.max_norm_change))
         )
         with open(self.config_path, "w") as f:
@@ -159,26 +174,37 @@ def copy_prefix(s3, bucket: str, src: str, dst: str) -> int:
     n = 0
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=src + "/"):
         for o in page.get("Contents", []):
-            key = dst + o["Key"][len(src):]
+            key = dst + o["Key"][len(src) :]
             s3.copy_object(Bucket=bucket, Key=key, CopySource={"Bucket": bucket, "Key": o["Key"]})
             n += 1
     return n
 
 
 def list_keys(s3, bucket: str, prefix: str) -> list[str]:
-    return [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/")
-            for o in page.get("Contents", [])]
+    return [
+        o["Key"]
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/")
+        for o in page.get("Contents", [])
+    ]
 
 
-def clone(src: Scratch, dst_dir: str, s3, *, prefix: str, endpoint: str | None = None,
-          sanity: bool | None = None) -> Scratch:
+def clone(
+    src: Scratch, dst_dir: str, s3, *, prefix: str, endpoint: str | None = None, sanity: bool | None = None
+) -> Scratch:
     """A new scratch holding a copy of ``src``'s three tiers."""
     for d in ("hot", "warm"):
         if os.path.isdir(os.path.join(src.dir, d)):
             shutil.copytree(os.path.join(src.dir, d), os.path.join(dst_dir, d), symlinks=True)
     copy_prefix(s3, src.bucket, src.prefix, prefix)
-    return Scratch(dst_dir, src.bucket, prefix, endpoint or src.endpoint, src.style, src.run_id,
-                   src.sanity if sanity is None else sanity)
+    return Scratch(
+        dst_dir,
+        src.bucket,
+        prefix,
+        endpoint or src.endpoint,
+        src.style,
+        src.run_id,
+        src.sanity if sanity is None else sanity,
+    )
 
 
 def committed_by_tier(scratch: Scratch) -> dict[str, list[int]]:

@@ -6,7 +6,6 @@ import json
 import secrets
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -17,23 +16,41 @@ KIND_NAMES = ("kill", "corrupt", "s3", "prefect", "enospc")
 
 def chaos(
     trials: int = typer.Option(10, "--trials", "-n", min=1, help="Trials to run (round-robin over --kinds)."),
-    kinds: str = typer.Option(",".join(KIND_NAMES), "--kinds",
-                              help="Comma-separated fault kinds: kill, corrupt, s3, prefect, enospc; KIND:N "
-                                   "gives a kind N turns per round (kill:4 = four kills per round)."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Replays the same trials (default: a random seed, "
-                                                            "printed)."),
-    config: Optional[Path] = typer.Option(None, "--config", help="Your ckptflow.toml: its codecs, levels, storage "
-                                          "class and lifecycle checks are used; its tier locations never are."),
-    workdir: Optional[Path] = typer.Option(None, "--workdir", help="Where the scratch tiers live (default: a new "
-                                           "temp dir, removed afterwards when every trial passed)."),
+    kinds: str = typer.Option(
+        ",".join(KIND_NAMES),
+        "--kinds",
+        help="Comma-separated fault kinds: kill, corrupt, s3, prefect, enospc; KIND:N "
+        "gives a kind N turns per round (kill:4 = four kills per round).",
+    ),
+    seed: int | None = typer.Option(None, "--seed", help="Replays the same trials (default: a random seed, printed)."),
+    config: Path | None = typer.Option(
+        None,
+        "--config",
+        help="Your ckptflow.toml: its codecs, levels, storage "
+        "class and lifecycle checks are used; its tier locations never are.",
+    ),
+    workdir: Path | None = typer.Option(
+        None,
+        "--workdir",
+        help="Where the scratch tiers live (default: a new temp dir, removed afterwards when every trial passed).",
+    ),
     keep: bool = typer.Option(False, "--keep", help="Keep every trial's folders and logs (failed ones always are)."),
-    sign: bool = typer.Option(True, "--sign/--no-sign", help="Sign manifests with a throwaway HMAC key (default) "
-                              "or run unsigned."),
-    s3_share: float = typer.Option(0.2, "--s3-fault-share", min=0.0, max=1.0,
-                                   help="Share of S3 requests the proxy breaks (storm trials: 0.6)."),
-    prefect_share: float = typer.Option(0.2, "--prefect-fault-share", min=0.0, max=1.0,
-                                        help="Share of Prefect API requests broken in flow-flaky trials."),
-    timeout: float = typer.Option(300.0, "--timeout", min=10.0, help="Seconds before a trial's process counts as hung."),
+    sign: bool = typer.Option(
+        True, "--sign/--no-sign", help="Sign manifests with a throwaway HMAC key (default) or run unsigned."
+    ),
+    s3_share: float = typer.Option(
+        0.2, "--s3-fault-share", min=0.0, max=1.0, help="Share of S3 requests the proxy breaks (storm trials: 0.6)."
+    ),
+    prefect_share: float = typer.Option(
+        0.2,
+        "--prefect-fault-share",
+        min=0.0,
+        max=1.0,
+        help="Share of Prefect API requests broken in flow-flaky trials.",
+    ),
+    timeout: float = typer.Option(
+        300.0, "--timeout", min=10.0, help="Seconds before a trial's process counts as hung."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document (progress goes to stderr)."),
 ) -> None:
     """Inject faults into SCRATCH COPIES of your storage setup and prove checkpoints survive.
@@ -67,8 +84,10 @@ def chaos(
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    say(f"ckptflow chaos: {trials} trials of {', '.join(wanted)}, seed {seed} (replay with --seed {seed}); "
-        f"config: {style.source}")
+    say(
+        f"ckptflow chaos: {trials} trials of {', '.join(wanted)}, seed {seed} (replay with --seed {seed}); "
+        f"config: {style.source}"
+    )
 
     def progress(r) -> None:
         say(trial_line(r))
@@ -76,9 +95,19 @@ def chaos(
             for line in problems(r):
                 say(f"       {line}")
 
-    opts = Options(trials=trials, kinds=wanted, weights=weights, seed=seed, style=style,
-                   workdir=str(workdir) if workdir else None, keep=keep, sign=sign, s3_share=s3_share,
-                   prefect_share=prefect_share, timeout_s=timeout)
+    opts = Options(
+        trials=trials,
+        kinds=wanted,
+        weights=weights,
+        seed=seed,
+        style=style,
+        workdir=str(workdir) if workdir else None,
+        keep=keep,
+        sign=sign,
+        s3_share=s3_share,
+        prefect_share=prefect_share,
+        timeout_s=timeout,
+    )
     rep = run_campaign(opts, say=lambda m: say(f"  {m}"), on_result=progress)
     if as_json:
         print(json.dumps(rep.to_dict(), indent=1, default=str))
@@ -94,8 +123,11 @@ def _parse_kinds(text: str) -> tuple[tuple[str, ...], dict[str, int]]:
             continue
         name, _, n = item.partition(":")
         if name not in KIND_NAMES or (n and (not n.isdigit() or int(n) < 1)):
-            typer.echo(f"ckptflow: error: --kinds {item!r}: use KIND or KIND:N (N >= 1) with KIND one of "
-                       f"{', '.join(KIND_NAMES)}", err=True)
+            typer.echo(
+                f"ckptflow: error: --kinds {item!r}: use KIND or KIND:N (N >= 1) with KIND one of "
+                f"{', '.join(KIND_NAMES)}",
+                err=True,
+            )
             raise typer.Exit(EXIT_USAGE)
         kinds.append(name)
         if n:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -12,11 +11,9 @@ import typer
 def compress(
     src: Path = typer.Argument(..., help="A DCP checkpoint directory (any, not only ckptflow's)."),
     dst: Path = typer.Argument(..., help="New or empty directory for the compressed copy."),
-    codec: str = typer.Option("bytegroup", "--codec",
-                              help="bytegroup (tensor-aware), zstd (plain) or none."),
-    level: Optional[int] = typer.Option(None, "--level",
-                                        help="zstd level; default: the codec's fastest good one."),
-    threads: Optional[int] = typer.Option(None, help="Worker threads (default: all cores)."),
+    codec: str = typer.Option("bytegroup", "--codec", help="bytegroup (tensor-aware), zstd (plain) or none."),
+    level: int | None = typer.Option(None, "--level", help="zstd level; default: the codec's fastest good one."),
+    threads: int | None = typer.Option(None, help="Worker threads (default: all cores)."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON report."),
 ) -> None:
     """Compress every file of a checkpoint; prints the ratio and the speed.
@@ -34,7 +31,7 @@ def compress(
 def decompress(
     src: Path = typer.Argument(..., help="A directory made by `ckptflow compress`."),
     dst: Path = typer.Argument(..., help="New or empty directory for the restored checkpoint."),
-    threads: Optional[int] = typer.Option(None, help="Worker threads (default: all cores)."),
+    threads: int | None = typer.Option(None, help="Worker threads (default: all cores)."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON report."),
 ) -> None:
     """Restore a compressed checkpoint byte for byte; every file's digests are checked."""
@@ -50,10 +47,11 @@ def _print(rep, verb: str, as_json: bool) -> None:
         return
     for f in rep.files:
         r = f.raw_bytes / f.stored_bytes if f.stored_bytes else 1.0
-        print(f"  {f.name:<32} {f.codec:<9} {f.raw_bytes:>13,} -> {f.stored_bytes:>13,}  "
-              f"{r:5.3f}x")
-    print(f"{verb} {len(rep.files)} files: {rep.raw_bytes:,} raw bytes, {rep.stored_bytes:,} "
-          f"stored, ratio {rep.ratio:.3f}x, {rep.seconds:.2f} s ({rep.mb_per_s():.0f} MB/s raw)")
+        print(f"  {f.name:<32} {f.codec:<9} {f.raw_bytes:>13,} -> {f.stored_bytes:>13,}  {r:5.3f}x")
+    print(
+        f"{verb} {len(rep.files)} files: {rep.raw_bytes:,} raw bytes, {rep.stored_bytes:,} "
+        f"stored, ratio {rep.ratio:.3f}x, {rep.seconds:.2f} s ({rep.mb_per_s():.0f} MB/s raw)"
+    )
 
 
 def register(app: typer.Typer) -> None:

@@ -31,12 +31,23 @@ def demo(
     # SIGTERM behaves like Ctrl-C: the supervisor's cleanup runs either way.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     con.print(f"[bold]ckptflow demo[/] — everything under {workdir.resolve()}")
-    out = run_demo(DemoSettings(workdir=str(workdir), steps=steps, save_every=save_every, model=model,
-                                kill_at=kill_at or None, timeout_s=timeout), say=con.print)
+    out = run_demo(
+        DemoSettings(
+            workdir=str(workdir),
+            steps=steps,
+            save_every=save_every,
+            model=model,
+            kill_at=kill_at or None,
+            timeout_s=timeout,
+        ),
+        say=con.print,
+    )
     if out.training is not None and out.training.killed_pid:
         same, total = out.replay_identical
-        con.print(f"resume: worker killed after step {out.training.killed_at_step}, resumed from step "
-                  f"{out.training.resumed_from}; {same}/{total} replayed steps have bit-identical losses")
+        con.print(
+            f"resume: worker killed after step {out.training.killed_at_step}, resumed from step "
+            f"{out.training.resumed_from}; {same}/{total} replayed steps have bit-identical losses"
+        )
     t = Table(title="checkpoints of run 'demo'")
     for c in ("step", "on tiers", "raw MB", "warm MB", "cold MB", "verified", "stages"):
         t.add_column(c, justify="right" if c in ("step", "raw MB", "warm MB", "cold MB") else "left")
@@ -47,27 +58,43 @@ def demo(
             v = r["stored"].get(name)
             return f"{v / 1e6:.1f} ({raw / v:.2f}x)" if v else "-"
 
-        ver = ("[red]QUARANTINED[/] " + "; ".join(r["quarantined"])[:40]) if r["quarantined"] else (
-            f"[green]yes[/] {r['probe']}" if r["verified"] else "no")
-        t.add_row(str(r["step"]), " ".join(r["tiers"]), f"{raw / 1e6:.1f}" if raw else "-", cell("warm"),
-                  cell("cold"), ver, f"{len(r['stages'])}/5")
+        ver = (
+            ("[red]QUARANTINED[/] " + "; ".join(r["quarantined"])[:40])
+            if r["quarantined"]
+            else (f"[green]yes[/] {r['probe']}" if r["verified"] else "no")
+        )
+        t.add_row(
+            str(r["step"]),
+            " ".join(r["tiers"]),
+            f"{raw / 1e6:.1f}" if raw else "-",
+            cell("warm"),
+            cell("cold"),
+            ver,
+            f"{len(r['stages'])}/5",
+        )
     con.print(t)
-    con.print("stages: verified, compressed, promoted, archived, pruned (a checkpoint that is gone from hot "
-              "was pruned there by retention; it lives on in warm and cold)")
+    con.print(
+        "stages: verified, compressed, promoted, archived, pruned (a checkpoint that is gone from hot "
+        "was pruned there by retention; it lives on in warm and cold)"
+    )
     d = out.drill or {}
     for r in d.get("results", []):
         sec = r["seconds"]
-        con.print(f"restore drill: step {r['step']} from {r['tier']} restored at world size {r['world_size']} "
-                  f"(saved at {r['saved_world_size']}): {'[green]PASSED[/]' if r['ok'] else '[red]FAILED[/]'}, "
-                  f"probe loss {r['probe_match']}; recovery {sec['total']:.1f} s = download "
-                  f"{sec.get('download', 0):.1f} + decompress {sec.get('decompress', 0):.1f} + verify "
-                  f"{sec.get('verify', 0):.1f} + sanity {sec.get('sanity', 0):.1f}")
+        con.print(
+            f"restore drill: step {r['step']} from {r['tier']} restored at world size {r['world_size']} "
+            f"(saved at {r['saved_world_size']}): {'[green]PASSED[/]' if r['ok'] else '[red]FAILED[/]'}, "
+            f"probe loss {r['probe_match']}; recovery {sec['total']:.1f} s = download "
+            f"{sec.get('download', 0):.1f} + decompress {sec.get('decompress', 0):.1f} + verify "
+            f"{sec.get('verify', 0):.1f} + sanity {sec.get('sanity', 0):.1f}"
+        )
     if d.get("plot"):
         con.print(f"drill plot: {d['plot']}")
     for p in out.problems:
         con.print(f"[red]problem:[/] {p}")
-    con.print(f"{'[green]demo OK[/]' if out.ok else '[red]demo FAILED[/]'} in {out.seconds:.0f} s; "
-              f"summary: {Path(out.workdir) / 'summary.json'}; logs: {Path(out.workdir) / 'logs'}")
+    con.print(
+        f"{'[green]demo OK[/]' if out.ok else '[red]demo FAILED[/]'} in {out.seconds:.0f} s; "
+        f"summary: {Path(out.workdir) / 'summary.json'}; logs: {Path(out.workdir) / 'logs'}"
+    )
     raise typer.Exit(0 if out.ok else 1)
 
 

@@ -6,7 +6,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 
@@ -37,11 +37,14 @@ class Row:
 
 @one_line_errors
 def ls(
-    target: Optional[str] = typer.Argument(
-        None, metavar="[ROOT|RUN]", show_default=False,
+    target: str | None = typer.Argument(
+        None,
+        metavar="[ROOT|RUN]",
+        show_default=False,
         help="A run id (that run on every tier); or an existing directory: a hot root (all its "
-             "runs), or one run's directory inside it. Default: every run on every tier."),
-    config: Optional[Path] = config_option(),
+        "runs), or one run's directory inside it. Default: every run on every tier.",
+    ),
+    config: Path | None = config_option(),
     as_json: bool = json_option(),
 ) -> None:
     """List checkpoints across tiers: step, tiers, size, stored size, stages, verified, pinned.
@@ -66,21 +69,32 @@ def ls(
         cfg = dataclasses.replace(cfg, hot=dataclasses.replace(cfg.hot, url=root))
     elif target is not None:
         if "/" in target or os.sep in target:
-            fail(f"{target}: no such directory (give an existing hot root, a run directory, or a "
-                 "run id)", EXIT_NOT_FOUND)
+            fail(
+                f"{target}: no such directory (give an existing hot root, a run directory, or a run id)", EXIT_NOT_FOUND
+            )
         run_filter = check_run(target)
 
     rows, unreachable = collect(cfg, run_filter)
     for name, why in unreachable.items():
         hint(f"warning: tier {name} could not be listed: {why}")
     if run_filter is not None and not rows and not unreachable:
-        fail(f"run {run_filter!r} has no committed checkpoint on any tier "
-             f"({', '.join(f'{t.name} {t.url}' for t in tiers(cfg))}); `ckptflow ls` lists the runs",
-             EXIT_NOT_FOUND)
+        fail(
+            f"run {run_filter!r} has no committed checkpoint on any tier "
+            f"({', '.join(f'{t.name} {t.url}' for t in tiers(cfg))}); `ckptflow ls` lists the runs",
+            EXIT_NOT_FOUND,
+        )
     if as_json:
-        print(json.dumps({"config": cfg.source, "tiers": {t.name: t.url for t in cfg.tiers()},
-                          "unreachable": unreachable,
-                          "checkpoints": [asdict(r) for r in rows]}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "config": cfg.source,
+                    "tiers": {t.name: t.url for t in cfg.tiers()},
+                    "unreachable": unreachable,
+                    "checkpoints": [asdict(r) for r in rows],
+                },
+                indent=1,
+            )
+        )
     else:
         _table(cfg, rows, layout)
     if unreachable:
@@ -186,13 +200,22 @@ def _table(cfg: Any, rows: list[Row], layout: Any) -> None:
     tbl.add_column("latest", no_wrap=True)
     for r in rows:
         style = "red" if r.quarantined or r.problems else ("green" if r.verified else "yellow")
-        tbl.add_row(r.run_id, str(r.step), ",".join(r.tiers) or "-", human_bytes(r.raw_bytes),
-                    *[human_bytes(r.stored_bytes.get(n)) for n in names],
-                    "".join(marks.get(x, "?") for x in r.stages) or "-", Text(status_text(r), style=style),
-                    ",".join(r.pinned) or "-", ",".join(r.latest) or "-")
+        tbl.add_row(
+            r.run_id,
+            str(r.step),
+            ",".join(r.tiers) or "-",
+            human_bytes(r.raw_bytes),
+            *[human_bytes(r.stored_bytes.get(n)) for n in names],
+            "".join(marks.get(x, "?") for x in r.stages) or "-",
+            Text(status_text(r), style=style),
+            ",".join(r.pinned) or "-",
+            ",".join(r.latest) or "-",
+        )
     con.print(tbl)
-    con.print("stages: " + ", ".join(f"{s.letter} {s.record}" for s in STAGES) + " (from the hot run's "
-              "_lifecycle records; --json gives the names)")
+    con.print(
+        "stages: " + ", ".join(f"{s.letter} {s.record}" for s in STAGES) + " (from the hot run's "
+        "_lifecycle records; --json gives the names)"
+    )
 
 
 def register(app: typer.Typer) -> None:

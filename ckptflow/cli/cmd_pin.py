@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -17,9 +16,9 @@ _TIER_HELP = "Only this tier: hot, warm or cold (default: every tier that has th
 def pin(
     run_id: str = typer.Argument(..., metavar="RUN", help="Run id."),
     step: int = typer.Argument(..., metavar="STEP", help="Step of a committed checkpoint."),
-    tier: Optional[str] = typer.Option(None, "--tier", help=_TIER_HELP, show_default=False),
+    tier: str | None = typer.Option(None, "--tier", help=_TIER_HELP, show_default=False),
     reason: str = typer.Option("", "--reason", help="Why (shown by prune and kept in the pin record)."),
-    config: Optional[Path] = config_option(),
+    config: Path | None = config_option(),
     as_json: bool = json_option(),
 ) -> None:
     """Pin a checkpoint: prune never deletes it, on any tier it is pinned on, until unpinned.
@@ -37,9 +36,11 @@ def pin(
     chosen = tiers(cfg, tier)
     have = [t for t in chosen if t.is_committed(run_id, step)]
     if not have:
-        fail(f"run {run_id!r} step {step} is not committed on "
-             f"{', '.join(f'{t.name} ({t.url})' for t in chosen)}; `ckptflow ls {run_id}` lists its steps",
-             EXIT_NOT_FOUND)
+        fail(
+            f"run {run_id!r} step {step} is not committed on "
+            f"{', '.join(f'{t.name} ({t.url})' for t in chosen)}; `ckptflow ls {run_id}` lists its steps",
+            EXIT_NOT_FOUND,
+        )
     done = {t.name: t.pin(run_id, step, reason) for t in have}
     if as_json:
         print(json.dumps({"run_id": run_id, "step": step, "reason": reason, "pinned": done}, indent=1))
@@ -52,9 +53,8 @@ def pin(
 def unpin(
     run_id: str = typer.Argument(..., metavar="RUN", help="Run id."),
     step: int = typer.Argument(..., metavar="STEP", help="Step."),
-    tier: Optional[str] = typer.Option(None, "--tier", help="Only this tier (default: every tier).",
-                                       show_default=False),
-    config: Optional[Path] = config_option(),
+    tier: str | None = typer.Option(None, "--tier", help="Only this tier (default: every tier).", show_default=False),
+    config: Path | None = config_option(),
     as_json: bool = json_option(),
 ) -> None:
     """Remove a checkpoint's pins (on every tier by default); retention applies to it again.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 
@@ -13,13 +13,14 @@ from ckptflow.cli.common import config_option, json_option, one_line_errors
 
 @one_line_errors
 def prune(
-    run_id: Optional[str] = typer.Argument(None, metavar="[RUN]", show_default=False,
-                                           help="Run id (default: every run on the chosen tiers)."),
-    tier: Optional[str] = typer.Option(None, "--tier", help="Only this tier: hot, warm or cold "
-                                                            "(default: every configured tier).",
-                                       show_default=False),
+    run_id: str | None = typer.Argument(
+        None, metavar="[RUN]", show_default=False, help="Run id (default: every run on the chosen tiers)."
+    ),
+    tier: str | None = typer.Option(
+        None, "--tier", help="Only this tier: hot, warm or cold (default: every configured tier).", show_default=False
+    ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Report what would be deleted; delete nothing."),
-    config: Optional[Path] = config_option(),
+    config: Path | None = config_option(),
     as_json: bool = json_option(),
 ) -> None:
     """Delete the checkpoints no retention rule or protection keeps; print kept (and why) and deleted.
@@ -41,17 +42,27 @@ def prune(
     if run_id is not None:
         runs = [check_run(run_id)]
         if not any(t.committed_steps(runs[0]) for t in chosen):
-            fail(f"run {run_id!r} has no committed checkpoint on "
-                 f"{', '.join(f'{t.name} ({t.url})' for t in chosen)}; `ckptflow ls` lists the runs",
-                 EXIT_NOT_FOUND)
+            fail(
+                f"run {run_id!r} has no committed checkpoint on "
+                f"{', '.join(f'{t.name} ({t.url})' for t in chosen)}; `ckptflow ls` lists the runs",
+                EXIT_NOT_FOUND,
+            )
     else:
         runs = sorted({r for t in chosen for r in t.list_runs()})
     names = [t.name for t in chosen]
     reports = {run: prune_run(cfg, run, tiers=names, dry_run=dry_run) for run in runs}
     if as_json:
-        print(json.dumps({"dry_run": dry_run, "runs": {
-            run: {name: _rep_json(rep) for name, rep in reps.items()} for run, reps in reports.items()}},
-            indent=1))
+        print(
+            json.dumps(
+                {
+                    "dry_run": dry_run,
+                    "runs": {
+                        run: {name: _rep_json(rep) for name, rep in reps.items()} for run, reps in reports.items()
+                    },
+                },
+                indent=1,
+            )
+        )
     else:
         _table(reports, dry_run, runs)
     if any(rep.errors for reps in reports.values() for rep in reps.values()):
@@ -59,9 +70,13 @@ def prune(
 
 
 def _rep_json(rep: Any) -> dict[str, Any]:
-    return {"kept": {str(k): v for k, v in rep.kept.items()}, "deleted": rep.deleted,
-            "planned": rep.planned, "errors": {str(k): v for k, v in rep.errors.items()},
-            "seconds": round(rep.seconds, 4)}
+    return {
+        "kept": {str(k): v for k, v in rep.kept.items()},
+        "deleted": rep.deleted,
+        "planned": rep.planned,
+        "errors": {str(k): v for k, v in rep.errors.items()},
+        "seconds": round(rep.seconds, 4),
+    }
 
 
 def _table(reports: dict[str, dict[str, Any]], dry_run: bool, runs: list[str]) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 
@@ -15,17 +15,24 @@ from ckptflow.cli.common import config_option, json_option, one_line_errors
 @one_line_errors
 def restore(
     run_id: str = typer.Argument(..., metavar="RUN", help="Run id."),
-    to: Path = typer.Option(..., "--to", help="New or empty directory to restore into (it receives "
-                                              "the DCP files and manifest.json).", show_default=False),
-    step: Optional[int] = typer.Option(None, "--step", help="Exactly this step (default: the newest "
-                                                            "that verifies).", show_default=False),
-    tier: Optional[str] = typer.Option(None, "--tier", help="Only this tier: hot, warm or cold "
-                                                            "(default: all, hot first).", show_default=False),
-    threads: Optional[int] = typer.Option(None, "--threads", help="Files fetched in parallel (default 4)."),
-    config: Optional[Path] = config_option(),
+    to: Path = typer.Option(
+        ...,
+        "--to",
+        help="New or empty directory to restore into (it receives the DCP files and manifest.json).",
+        show_default=False,
+    ),
+    step: int | None = typer.Option(
+        None, "--step", help="Exactly this step (default: the newest that verifies).", show_default=False
+    ),
+    tier: str | None = typer.Option(
+        None, "--tier", help="Only this tier: hot, warm or cold (default: all, hot first).", show_default=False
+    ),
+    threads: int | None = typer.Option(None, "--threads", help="Files fetched in parallel (default 4)."),
+    config: Path | None = config_option(),
     as_json: bool = json_option(),
-    no_progress: bool = typer.Option(False, "--no-progress", help="No progress bar (it is also off "
-                                                                 "with --json and when stderr is not a terminal)."),
+    no_progress: bool = typer.Option(
+        False, "--no-progress", help="No progress bar (it is also off with --json and when stderr is not a terminal)."
+    ),
 ) -> None:
     """Restore a checkpoint into DIR: every byte checked, damaged copies skipped.
 
@@ -48,16 +55,14 @@ def restore(
         fail(f"--step {step} must be >= 0", EXIT_USAGE)
     dst = os.path.abspath(to)
     if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
-        fail(f"{dst} exists and is not an empty directory; give a new or empty --to directory",
-             EXIT_USAGE)
+        fail(f"{dst} exists and is not an empty directory; give a new or empty --to directory", EXIT_USAGE)
     cfg = load(config)
     chosen = tiers(cfg, tier)
     first = _newest_candidate(chosen, run_id, step)
     if first is None:
         where = ", ".join(f"{t.name} ({t.url})" for t in chosen)
         what = f"step {step}" if step is not None else "committed checkpoint"
-        fail(f"run {run_id!r} has no {what} on {where}; `ckptflow ls {run_id}` lists its steps",
-             EXIT_NOT_FOUND)
+        fail(f"run {run_id!r} has no {what} on {where}; `ckptflow ls {run_id}` lists its steps", EXIT_NOT_FOUND)
 
     # restore() logs each skip as a warning; they are printed below as a table instead.
     quiet = logging.getLogger("ckptflow.tasks.transfer")
@@ -83,9 +88,9 @@ def _stderr_is_tty() -> bool:
     return sys.stderr.isatty()
 
 
-def _newest_candidate(chosen: list[Any], run_id: str, step: Optional[int]) -> Optional[tuple[Any, int]]:
+def _newest_candidate(chosen: list[Any], run_id: str, step: int | None) -> tuple[Any, int] | None:
     """The candidate restore tries first (tier, step), to size the progress bar; None: none."""
-    best: Optional[tuple[Any, int]] = None
+    best: tuple[Any, int] | None = None
     for t in chosen:
         try:
             steps = [s for s in t.committed_steps(run_id) if step is None or s == step]
@@ -96,25 +101,43 @@ def _newest_candidate(chosen: list[Any], run_id: str, step: Optional[int]) -> Op
     return best
 
 
-def _with_progress(do_restore: Any, chosen: list[Any], run_id: str, dst: str, step: Optional[int],
-                   threads: Optional[int], first: tuple[Any, int]) -> Any:
-    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                               TransferSpeedColumn)
+def _with_progress(
+    do_restore: Any,
+    chosen: list[Any],
+    run_id: str,
+    dst: str,
+    step: int | None,
+    threads: int | None,
+    first: tuple[Any, int],
+) -> Any:
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
     from ckptflow.cli.common import console
     from ckptflow.tasks.transfer import progress_total
 
     tier, s = first
     try:
-        total: Optional[int] = progress_total(tier, tier.read_index(run_id, s))
+        total: int | None = progress_total(tier, tier.read_index(run_id, s))
     except Exception:  # a damaged newest copy: restore will skip it; the bar just has no total
         total = None
-    cols = (TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(),
-            TransferSpeedColumn(), TimeRemainingColumn())
+    cols = (
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    )
     with Progress(*cols, console=console(err=True, terminal=True), transient=True) as bar:
         task = bar.add_task(f"restore {run_id}", total=total)
-        res = do_restore(chosen, run_id, dst, step=step, threads=threads, holder="ckptflow restore",
-                         progress=lambda n: bar.advance(task, n))
+        res = do_restore(
+            chosen,
+            run_id,
+            dst,
+            step=step,
+            threads=threads,
+            holder="ckptflow restore",
+            progress=lambda n: bar.advance(task, n),
+        )
     return res
 
 
@@ -124,10 +147,19 @@ def _report(res: Any, as_json: bool) -> None:
     f = res.fetch
     mbps = f.bytes_raw / max(res.seconds, 1e-9) / 1e6
     doc = {
-        "run_id": res.run_id, "step": res.step, "tier": res.tier, "uri": res.uri, "dst_dir": res.dst_dir,
-        "codec": f.codec, "files": f.files, "bytes_raw": f.bytes_raw, "bytes_stored": f.bytes_stored,
-        "seconds": round(res.seconds, 4), "download_seconds": round(f.download_seconds, 4),
-        "decompress_seconds": round(f.decompress_seconds, 4), "mb_per_s": round(mbps, 2),
+        "run_id": res.run_id,
+        "step": res.step,
+        "tier": res.tier,
+        "uri": res.uri,
+        "dst_dir": res.dst_dir,
+        "codec": f.codec,
+        "files": f.files,
+        "bytes_raw": f.bytes_raw,
+        "bytes_stored": f.bytes_stored,
+        "seconds": round(res.seconds, 4),
+        "download_seconds": round(f.download_seconds, 4),
+        "decompress_seconds": round(f.decompress_seconds, 4),
+        "mb_per_s": round(mbps, 2),
         "skipped": [{"uri": k.uri, "step": k.step, "tier": k.tier, "reason": k.reason} for k in res.skipped],
     }
     if as_json:
@@ -144,11 +176,14 @@ def _report(res: Any, as_json: bool) -> None:
         for k in res.skipped:
             tbl.add_row(k.tier, str(k.step) if k.step >= 0 else "-", Text(k.reason))
         con.print(tbl)
-    con.print(f"restored {res.run_id} step {res.step} from {res.tier} ({res.uri}) into {res.dst_dir}: "
-              f"{f.files} files, {human_bytes(f.bytes_raw)} raw ({f.bytes_raw:,} B; stored "
-              f"{f.bytes_stored:,} B {f.codec}) in {res.seconds:.2f} s = {mbps:.1f} MB/s "
-              f"(download {f.download_seconds:.2f} s, decompress {f.decompress_seconds:.2f} s)",
-              highlight=False, markup=False)
+    con.print(
+        f"restored {res.run_id} step {res.step} from {res.tier} ({res.uri}) into {res.dst_dir}: "
+        f"{f.files} files, {human_bytes(f.bytes_raw)} raw ({f.bytes_raw:,} B; stored "
+        f"{f.bytes_stored:,} B {f.codec}) in {res.seconds:.2f} s = {mbps:.1f} MB/s "
+        f"(download {f.download_seconds:.2f} s, decompress {f.decompress_seconds:.2f} s)",
+        highlight=False,
+        markup=False,
+    )
 
 
 def register(app: typer.Typer) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -11,9 +10,10 @@ from ckptflow.cli.common import config_option
 
 
 def serve(
-    config: Optional[Path] = config_option(),
-    limit: Optional[int] = typer.Option(None, "--limit", help="Flow runs at once (default: [prefect] "
-                                                              "flow_concurrency).", show_default=False),
+    config: Path | None = config_option(),
+    limit: int | None = typer.Option(
+        None, "--limit", help="Flow runs at once (default: [prefect] flow_concurrency).", show_default=False
+    ),
     reconcile_every: int = typer.Option(300, "--reconcile-every", help="Seconds between reconcile runs."),
 ) -> None:
     """Serve the lifecycle, reconcile and drill deployments from this process.

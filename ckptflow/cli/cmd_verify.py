@@ -22,17 +22,27 @@ def verify(
 
     res = verify_checkpoint(str(path), threads=threads)
     if as_json:
-        print(json.dumps({
-            "path": str(path), "ok": res.ok, "step": res.manifest.step if res.manifest else None,
-            "files": len(res.manifest.files) if res.manifest else 0,
-            "bytes": res.bytes_checked, "seconds": round(res.seconds, 4),
-            "problems": [{"path": p.path, "what": p.what} for p in res.problems],
-        }, indent=1))
+        print(
+            json.dumps(
+                {
+                    "path": str(path),
+                    "ok": res.ok,
+                    "step": res.manifest.step if res.manifest else None,
+                    "files": len(res.manifest.files) if res.manifest else 0,
+                    "bytes": res.bytes_checked,
+                    "seconds": round(res.seconds, 4),
+                    "problems": [{"path": p.path, "what": p.what} for p in res.problems],
+                },
+                indent=1,
+            )
+        )
     elif res.ok:
         m = res.manifest
         mbps = res.bytes_checked / max(res.seconds, 1e-9) / 1e6
-        print(f"OK {path}: step {m.step}, {len(m.files)} files, {res.bytes_checked} bytes "
-              f"verified in {res.seconds:.3f} s ({mbps:.0f} MB/s)")
+        print(
+            f"OK {path}: step {m.step}, {len(m.files)} files, {res.bytes_checked} bytes "
+            f"verified in {res.seconds:.3f} s ({mbps:.0f} MB/s)"
+        )
     else:
         for p in res.problems:
             typer.echo(f"BAD {p}", err=True)

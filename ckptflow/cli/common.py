@@ -12,7 +12,7 @@ import sys
 import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import typer
 
@@ -26,11 +26,13 @@ if TYPE_CHECKING:
 
 TIER_NAMES = ("hot", "warm", "cold")
 
-CONFIG_HELP = ("Config file (default: $CKPTFLOW_CONFIG, else ./ckptflow.toml, else the built-in "
-               "default: ./.ckptflow/hot and ./.ckptflow/warm).")
+CONFIG_HELP = (
+    "Config file (default: $CKPTFLOW_CONFIG, else ./ckptflow.toml, else the built-in "
+    "default: ./.ckptflow/hot and ./.ckptflow/warm)."
+)
 
 
-def config_option() -> Optional[Path]:
+def config_option() -> Path | None:
     return typer.Option(None, "--config", help=CONFIG_HELP, show_default=False)
 
 
@@ -64,15 +66,25 @@ def one_line_errors(fn: F) -> F:
 
         try:
             return fn(*args, **kwargs)
-        except (typer.Exit, typer.Abort, ClickException, CkptflowError, FileNotFoundError,
-                PermissionError, KeyboardInterrupt):
+        except (
+            typer.Exit,
+            typer.Abort,
+            ClickException,
+            CkptflowError,
+            FileNotFoundError,
+            PermissionError,
+            KeyboardInterrupt,
+        ):
             raise
         except Exception as e:
             if os.environ.get("CKPTFLOW_DEBUG"):
                 raise
             first = (str(e).strip().splitlines() or [""])[0][:300]
-            fail(f"{type(e).__name__}: {first}; check that the configured tiers (and the Prefect API) "
-                 "are reachable, then re-run (CKPTFLOW_DEBUG=1 shows the traceback)", EXIT_ERROR)
+            fail(
+                f"{type(e).__name__}: {first}; check that the configured tiers (and the Prefect API) "
+                "are reachable, then re-run (CKPTFLOW_DEBUG=1 shows the traceback)",
+                EXIT_ERROR,
+            )
 
     return wrapper  # type: ignore[return-value]
 
@@ -81,7 +93,7 @@ def hint(message: str) -> None:
     typer.echo(f"ckptflow: {message}", err=True)
 
 
-def load(config: Optional[Path]) -> "CkptflowConfig":
+def load(config: Path | None) -> CkptflowConfig:
     """The config; a named file that does not exist is 'not found' (exit 3)."""
     from ckptflow.tasks.config import find_config_file, load_config
     from ckptflow.trainer.errors import ConfigError
@@ -103,7 +115,7 @@ def check_run(run_id: str) -> str:
         fail(str(e), EXIT_USAGE)
 
 
-def tiers(cfg: "CkptflowConfig", only: Optional[str] = None) -> list["Tier"]:
+def tiers(cfg: CkptflowConfig, only: str | None = None) -> list[Tier]:
     """Configured tiers in restore order, or just ``only`` (usage error if not configured)."""
     from ckptflow.tasks.storage import open_tiers
 
@@ -114,13 +126,15 @@ def tiers(cfg: "CkptflowConfig", only: Optional[str] = None) -> list["Tier"]:
         fail(f"--tier {only!r} is not a tier name; use one of {', '.join(TIER_NAMES)}", EXIT_USAGE)
     picked = [t for t in all_tiers if t.name == only]
     if not picked:
-        fail(f"tier {only!r} is not configured in {cfg.source} (configured: "
-             f"{', '.join(t.name for t in all_tiers)}); add a [{only}] section or pick another",
-             EXIT_USAGE)
+        fail(
+            f"tier {only!r} is not configured in {cfg.source} (configured: "
+            f"{', '.join(t.name for t in all_tiers)}); add a [{only}] section or pick another",
+            EXIT_USAGE,
+        )
     return picked
 
 
-def console(err: bool = False, *, terminal: Optional[bool] = None) -> "Console":
+def console(err: bool = False, *, terminal: bool | None = None) -> Console:
     """A rich console; at least 120 columns when not a terminal, so piped tables do not wrap.
     ``terminal=True`` forces live output (a progress bar the caller decided to show)."""
     from rich.console import Console
@@ -131,7 +145,7 @@ def console(err: bool = False, *, terminal: Optional[bool] = None) -> "Console":
     return Console(file=stream, width=width, soft_wrap=True, force_terminal=terminal)
 
 
-def human_bytes(n: Optional[int]) -> str:
+def human_bytes(n: int | None) -> str:
     if n is None:
         return "-"
     for unit, k in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
@@ -146,7 +160,7 @@ def redact_url(url: str) -> str:
     return f"{p.scheme}://{p.hostname}/…" if p.scheme and p.hostname else "<redacted>"
 
 
-def prefect_api_url() -> Optional[str]:
+def prefect_api_url() -> str | None:
     """The Prefect API this process talks to (environment, profile or test harness), or None."""
     from prefect.settings import PREFECT_API_URL
 

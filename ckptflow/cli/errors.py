@@ -41,8 +41,7 @@ def run_cli(app: typer.Typer, argv: list[str] | None = None) -> int:
         print(f"ckptflow: error: {e.strerror or e}: {e.filename}", file=sys.stderr)
         return EXIT_NOT_FOUND
     except PermissionError as e:
-        print(f"ckptflow: error: permission denied: {e.filename}; check the path's owner and mode",
-              file=sys.stderr)
+        print(f"ckptflow: error: permission denied: {e.filename}; check the path's owner and mode", file=sys.stderr)
         return EXIT_ERROR
     except Exception as e:
         # Anything else (a botocore connection error, a server that went away): still one
@@ -51,7 +50,6 @@ def run_cli(app: typer.Typer, argv: list[str] | None = None) -> int:
         if os.environ.get("CKPTFLOW_DEBUG"):
             raise
         msg = re.sub(r"(https?://[^\s?'\"]+)\?[^\s'\"]*", r"\1?…", str(e))
-        print(f"ckptflow: error: {type(e).__name__}: {msg} (set CKPTFLOW_DEBUG=1 for the traceback)",
-              file=sys.stderr)
+        print(f"ckptflow: error: {type(e).__name__}: {msg} (set CKPTFLOW_DEBUG=1 for the traceback)", file=sys.stderr)
         return EXIT_ERROR
     return EXIT_OK

@@ -14,17 +14,20 @@ import sys
 
 import typer
 
-from ckptflow.cli import cmd_demo, cmd_verify
-from ckptflow.cli import cmd_codec
-from ckptflow.cli import cmd_ls
-from ckptflow.cli import cmd_restore
-from ckptflow.cli import cmd_prune
-from ckptflow.cli import cmd_pin
-from ckptflow.cli import cmd_drill
-from ckptflow.cli import cmd_advise
-from ckptflow.cli import cmd_alerts
-from ckptflow.cli import cmd_serve
-from ckptflow.cli import cmd_chaos
+from ckptflow.cli import (
+    cmd_advise,
+    cmd_alerts,
+    cmd_chaos,
+    cmd_codec,
+    cmd_demo,
+    cmd_drill,
+    cmd_ls,
+    cmd_pin,
+    cmd_prune,
+    cmd_restore,
+    cmd_serve,
+    cmd_verify,
+)
 
 app = typer.Typer(
     name="ckptflow",
@@ -33,7 +36,6 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-
 
 
 @app.callback()

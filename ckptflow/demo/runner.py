@@ -17,13 +17,14 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ckptflow.demo import services
-from ckptflow.harness import Supervisor, wait_deployments
 from ckptflow.demo.training import run_training
+from ckptflow.harness import Supervisor, wait_deployments
 from ckptflow.trainer import layout
 
 RUN_ID = "demo"
@@ -59,8 +60,9 @@ def _lifecycle_states() -> dict[str, str]:
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 
     with get_client(sync_client=True) as c:
-        runs = c.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=f"lifecycle-{RUN_ID}-step")),
-                                limit=200)
+        runs = c.read_flow_runs(
+            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=f"lifecycle-{RUN_ID}-step")), limit=200
+        )
     return {r.name: r.state_type.value for r in runs}
 
 
@@ -81,8 +83,8 @@ def _wait_lifecycles(steps: list[int], timeout: float, say: Callable[[str], None
 
 
 def _checkpoint_rows(cfg_path: str, run_path: str, steps: list[int]) -> list[dict]:
-    from ckptflow.tasks.stages import RECORDS, stage_records
     from ckptflow.tasks.config import load_config
+    from ckptflow.tasks.stages import RECORDS, stage_records
     from ckptflow.tasks.storage import Tier
 
     cfg = load_config(cfg_path)
@@ -134,20 +136,39 @@ def run_demo(s: DemoSettings, say: Callable[[str], None] = print) -> DemoOutcome
         services.demo_config(out.config, workdir=wd, s3_endpoint=s3_url, bucket=BUCKET)
         sup = stack.enter_context(Supervisor())
         # From here on this process is a Prefect client of the demo server.
-        os.environ.update(PREFECT_API_URL=api, PREFECT_HOME=os.path.join(wd, "prefect"),
-                          PREFECT_SERVER_ANALYTICS_ENABLED="false", CKPTFLOW_CONFIG=out.config,
-                          PREFECT_LOGGING_LEVEL=os.environ.get("PREFECT_LOGGING_LEVEL", "WARNING"))
+        os.environ.update(
+            PREFECT_API_URL=api,
+            PREFECT_HOME=os.path.join(wd, "prefect"),
+            PREFECT_SERVER_ANALYTICS_ENABLED="false",
+            CKPTFLOW_CONFIG=out.config,
+            PREFECT_LOGGING_LEVEL=os.environ.get("PREFECT_LOGGING_LEVEL", "WARNING"),
+        )
         env = dict(os.environ, OMP_NUM_THREADS="1", PREFECT_LOGGING_LEVEL="INFO")  # full logs in logs/
         say(f"  Prefect API {api}; S3 {s3_url} (bucket {BUCKET}); config {out.config}")
-        sup.start("serve", [sys.executable, "-m", "ckptflow.flows.serve", "--config", out.config, "--reconcile-every", "3600"],
-                  env=env, log=open(os.path.join(logs, "serve.log"), "w"))
+        sup.start(
+            "serve",
+            [sys.executable, "-m", "ckptflow.flows.serve", "--config", out.config, "--reconcile-every", "3600"],
+            env=env,
+            log=open(os.path.join(logs, "serve.log"), "w"),
+        )
         wait_deployments(["ckptflow-lifecycle/lifecycle"], 90)
         say("serving deployments: lifecycle (on ckptflow.checkpoint.committed), reconcile, restore-drill")
-        say(f"training: torchrun 2 ranks (gloo, FSDP2), model {s.model}, {s.steps} steps, checkpoint every "
-            f"{s.save_every}" + (f", SIGKILL of one worker after step {s.kill_at}" if s.kill_at else ""))
-        out.training = run_training(sup, root=os.path.join(wd, "hot"), run_id=RUN_ID, steps=s.steps,
-                                    save_every=s.save_every, model=s.model, kill_at=s.kill_at, env=env,
-                                    log_dir=logs, say=say)
+        say(
+            f"training: torchrun 2 ranks (gloo, FSDP2), model {s.model}, {s.steps} steps, checkpoint every "
+            f"{s.save_every}" + (f", SIGKILL of one worker after step {s.kill_at}" if s.kill_at else "")
+        )
+        out.training = run_training(
+            sup,
+            root=os.path.join(wd, "hot"),
+            run_id=RUN_ID,
+            steps=s.steps,
+            save_every=s.save_every,
+            model=s.model,
+            kill_at=s.kill_at,
+            env=env,
+            log_dir=logs,
+            say=say,
+        )
         if out.training.returncode != 0:
             out.problems.append(f"training failed (exit {out.training.returncode}); log: {out.training.log_path}")
             return out
@@ -165,8 +186,9 @@ def run_demo(s: DemoSettings, say: Callable[[str], None] = print) -> DemoOutcome
         from ckptflow.flows.drill import DrillFailed, restore_drill
 
         try:
-            res = restore_drill(run_id=RUN_ID, config=out.config, random_older=False,
-                                history_dir=os.path.join(wd, "drills"))
+            res = restore_drill(
+                run_id=RUN_ID, config=out.config, random_older=False, history_dir=os.path.join(wd, "drills")
+            )
             out.drill = {"ok": True, **res["runs"][RUN_ID]}
         except DrillFailed as e:
             out.drill = {"ok": False, "error": str(e)}
@@ -177,12 +199,22 @@ def run_demo(s: DemoSettings, say: Callable[[str], None] = print) -> DemoOutcome
     out.seconds = time.monotonic() - t0
     out.ok = not out.problems
     with open(os.path.join(wd, "summary.json"), "w") as f:
-        json.dump({"ok": out.ok, "problems": out.problems, "checkpoints": out.checkpoints,
-                   "lifecycle_states": out.lifecycle_states, "drill": out.drill,
-                   "replay_identical": list(out.replay_identical), "seconds": out.seconds,
-                   "resumed_from": out.training.resumed_from if out.training else None,
-                   "killed_at_step": out.training.killed_at_step if out.training else None},
-                  f, indent=1, default=str)
+        json.dump(
+            {
+                "ok": out.ok,
+                "problems": out.problems,
+                "checkpoints": out.checkpoints,
+                "lifecycle_states": out.lifecycle_states,
+                "drill": out.drill,
+                "replay_identical": list(out.replay_identical),
+                "seconds": out.seconds,
+                "resumed_from": out.training.resumed_from if out.training else None,
+                "killed_at_step": out.training.killed_at_step if out.training else None,
+            },
+            f,
+            indent=1,
+            default=str,
+        )
     return out
 
 

@@ -16,8 +16,9 @@ from ckptflow.harness import LOCAL_AWS, MotoServer, PrefectServer
 def start_services(stack: ExitStack, workdir: str, log_dir: str, bucket: str) -> tuple[str, str]:
     """Start Prefect (in the background: it takes 20-30 s) and moto, make the bucket; returns
     (Prefect API URL, S3 endpoint). Both stop when ``stack`` closes."""
-    prefect = stack.enter_context(PrefectServer(os.path.join(workdir, "prefect"),
-                                                os.path.join(log_dir, "prefect.log"), start=False))
+    prefect = stack.enter_context(
+        PrefectServer(os.path.join(workdir, "prefect"), os.path.join(log_dir, "prefect.log"), start=False)
+    )
     prefect.launch()
     s3 = stack.enter_context(MotoServer(os.path.join(log_dir, "s3.log")))
     os.environ.update(LOCAL_AWS)

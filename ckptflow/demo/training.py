@@ -29,15 +29,40 @@ def _worker_pids(agent_pid: int) -> list[int]:
     return [p for p in children_of(agent_pid) if "ckptflow.trainer.train" in cmdline(p)]
 
 
-def run_training(sup: Supervisor, *, root: str, run_id: str, steps: int, save_every: int, model: str,
-                 nproc: int = 2, kill_at: int | None = None, env: dict | None = None,
-                 log_dir: str, say=print) -> TrainOutcome:
+def run_training(
+    sup: Supervisor,
+    *,
+    root: str,
+    run_id: str,
+    steps: int,
+    save_every: int,
+    model: str,
+    nproc: int = 2,
+    kill_at: int | None = None,
+    env: dict | None = None,
+    log_dir: str,
+    say=print,
+) -> TrainOutcome:
     """Run the reference job under torchrun (--max-restarts=1); SIGKILL one worker at ``kill_at``."""
     run_dir = os.path.join(root, run_id)
     log_path = os.path.join(log_dir, f"train-{run_id}.log")
-    args = torchrun("ckptflow.trainer.train", ["--ckpt-root", root, "--run-id", run_id, "--max-steps", str(steps),
-                                              "--save-every", str(save_every), "--model", model],
-                    nproc=nproc, max_restarts=1)
+    args = torchrun(
+        "ckptflow.trainer.train",
+        [
+            "--ckpt-root",
+            root,
+            "--run-id",
+            run_id,
+            "--max-steps",
+            str(steps),
+            "--save-every",
+            str(save_every),
+            "--model",
+            model,
+        ],
+        nproc=nproc,
+        max_restarts=1,
+    )
     out = TrainOutcome(run_dir, -1, log_path=log_path)
     t0 = time.monotonic()
     with open(log_path, "w") as log:

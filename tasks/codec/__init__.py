@@ -30,8 +30,7 @@ def get_codec(name: str) -> Codec:
     try:
         return _CODECS[name]()
     except KeyError:
-        raise ConfigError(f"codec {name!r} is unknown; choose one of {available_codecs()}") \
-            from None
+        raise ConfigError(f"codec {name!r} is unknown; choose one of {available_codecs()}") from None
 
 
 def available_codecs() -> list[str]:
@@ -39,6 +38,12 @@ def available_codecs() -> list[str]:
 
 
 __all__ = [
-    "Codec", "CodecStats", "ContainerError", "DtypeMap", "Range", "available_codecs",
-    "dtype_maps_for_checkpoint", "get_codec",
+    "Codec",
+    "CodecStats",
+    "ContainerError",
+    "DtypeMap",
+    "Range",
+    "available_codecs",
+    "dtype_maps_for_checkpoint",
+    "get_codec",
 ]

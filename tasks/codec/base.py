@@ -53,15 +53,24 @@ class Codec(Protocol):
     suffix: str
     """Appended to a stored object's name (``.zst``, ``.ckz``; ``""`` for none)."""
 
-    def compress(self, src: BinaryIO, dst: BinaryIO, *, level: int | None = None,
-                 threads: int | None = None, dtype_map: "DtypeMap | None" = None,
-                 name: str | None = None) -> CodecStats: ...
+    def compress(
+        self,
+        src: BinaryIO,
+        dst: BinaryIO,
+        *,
+        level: int | None = None,
+        threads: int | None = None,
+        dtype_map: DtypeMap | None = None,
+        name: str | None = None,
+    ) -> CodecStats: ...
 
-    def decompress(self, src: BinaryIO, dst: BinaryIO, *, threads: int | None = None,
-                   name: str | None = None) -> CodecStats: ...
+    def decompress(
+        self, src: BinaryIO, dst: BinaryIO, *, threads: int | None = None, name: str | None = None
+    ) -> CodecStats: ...
 
 
 # ---- stream helpers shared by the codecs ------------------------------------------
+
 
 def default_threads(threads: int | None) -> int:
     if threads is None:

@@ -34,8 +34,7 @@ import xxhash
 import zstandard
 
 from ckptflow.tasks.codec import container as ckz
-from ckptflow.tasks.codec.base import (CodecStats, HashingReader, HashingWriter, default_threads,
-                              read_full)
+from ckptflow.tasks.codec.base import CodecStats, HashingReader, HashingWriter, default_threads, read_full
 from ckptflow.tasks.codec.dtypemap import DtypeMap
 from ckptflow.tasks.codec.grouping import KINDS, PLAIN, merge, split
 from ckptflow.tasks.codec.plain import check_level
@@ -48,8 +47,15 @@ DEFAULT_LEVEL = 1
 # the floor also bounds a chunk's segment table to ~8% of its raw size.
 MIN_GROUPED = 128
 CODEC_NAME = "bytegroup"
-_EXPONENT_PARAMS = dict(window_log=17, hash_log=6, chain_log=6, search_log=1, min_match=7,
-                        target_length=0, strategy=zstandard.STRATEGY_FAST)
+_EXPONENT_PARAMS = {
+    "window_log": 17,
+    "hash_log": 6,
+    "chain_log": 6,
+    "search_log": 1,
+    "min_match": 7,
+    "target_length": 0,
+    "strategy": zstandard.STRATEGY_FAST,
+}
 
 _local = threading.local()
 
@@ -85,15 +91,21 @@ class BytegroupCodec:
 
     def __init__(self, chunk_size: int = DEFAULT_CHUNK) -> None:
         if not isinstance(chunk_size, int) or not 4096 <= chunk_size <= ckz.MAX_CHUNK:
-            raise ConfigError(f"bytegroup chunk_size={chunk_size!r} must be an integer in "
-                              f"[4096, {ckz.MAX_CHUNK}]")
+            raise ConfigError(f"bytegroup chunk_size={chunk_size!r} must be an integer in [4096, {ckz.MAX_CHUNK}]")
         self.chunk_size = chunk_size
 
     # ---- compress -----------------------------------------------------------------
 
-    def compress(self, src: BinaryIO, dst: BinaryIO, *, level: int | None = None,
-                 threads: int | None = None, dtype_map: DtypeMap | None = None,
-                 name: str | None = None) -> CodecStats:
+    def compress(
+        self,
+        src: BinaryIO,
+        dst: BinaryIO,
+        *,
+        level: int | None = None,
+        threads: int | None = None,
+        dtype_map: DtypeMap | None = None,
+        name: str | None = None,
+    ) -> CodecStats:
         t0 = time.perf_counter()
         level = check_level(level, DEFAULT_LEVEL)
         # Exponent streams get the literal-friendly parameters at the fast levels (<= 3);
@@ -102,10 +114,17 @@ class BytegroupCodec:
         nthreads = default_threads(threads)
         out = HashingWriter(dst)
         raw_hash = new_hasher()
-        out.write(ckz.pack_file_header({
-            "codec": CODEC_NAME, "chunk_size": self.chunk_size, "level": level,
-            "transform": "rotl1-split", "entropy": "zstd",
-        }))
+        out.write(
+            ckz.pack_file_header(
+                {
+                    "codec": CODEC_NAME,
+                    "chunk_size": self.chunk_size,
+                    "level": level,
+                    "transform": "rotl1-split",
+                    "entropy": "zstd",
+                }
+            )
+        )
         cutter = _Cutter(dtype_map or DtypeMap(()), self.chunk_size)
         pending: deque[Future] = deque()
         index = raw_total = 0
@@ -116,8 +135,7 @@ class BytegroupCodec:
                 if not buf:
                     break
                 segments = cutter.segments(raw_total, len(buf))
-                pending.append(pool.submit(_encode_chunk, index, raw_total, buf, segments,
-                                           level, exp_level))
+                pending.append(pool.submit(_encode_chunk, index, raw_total, buf, segments, level, exp_level))
                 raw_hash.update(buf)
                 raw_total += len(buf)
                 index += 1
@@ -127,24 +145,24 @@ class BytegroupCodec:
                 _write_parts(out, pending.popleft().result())
         out.write(ckz.pack_end(index, raw_total, raw_hash.digest()))
         out.flush()
-        return CodecStats(raw_total, out.count, raw_hash.hexdigest(), out.hexdigest(),
-                          time.perf_counter() - t0)
+        return CodecStats(raw_total, out.count, raw_hash.hexdigest(), out.hexdigest(), time.perf_counter() - t0)
 
     # ---- decompress ---------------------------------------------------------------
 
-    def decompress(self, src: BinaryIO, dst: BinaryIO, *, threads: int | None = None,
-                   name: str | None = None) -> CodecStats:
+    def decompress(
+        self, src: BinaryIO, dst: BinaryIO, *, threads: int | None = None, name: str | None = None
+    ) -> CodecStats:
         t0 = time.perf_counter()
         nthreads = default_threads(threads)
         inp = HashingReader(src)
         out = HashingWriter(dst)
         raw_hash = new_hasher()
-        params, _ = ckz.unpack_file_header(read_full(inp, ckz.FILE_FIXED_SIZE),
-                                           lambda n: read_full(inp, n), name)
+        params, _ = ckz.unpack_file_header(read_full(inp, ckz.FILE_FIXED_SIZE), lambda n: read_full(inp, n), name)
         chunk_size = params.get("chunk_size")
         if not isinstance(chunk_size, int) or not 0 < chunk_size <= ckz.MAX_CHUNK:
-            raise ckz.ContainerError(f"header chunk_size {chunk_size!r} is invalid", path=name,
-                                     offset=ckz.FILE_FIXED_SIZE)
+            raise ckz.ContainerError(
+                f"header chunk_size {chunk_size!r} is invalid", path=name, offset=ckz.FILE_FIXED_SIZE
+            )
         # a body can exceed its raw size a little (tables, raw-stored streams)
         max_body = chunk_size + chunk_size // 8 + (64 << 10)
         pending: deque[Future] = deque()
@@ -167,24 +185,40 @@ class BytegroupCodec:
                     raise ckz.ContainerError(
                         "truncated: the stream ends where this chunk or the end record "
                         "should start; the object was cut short, fetch it again",
-                        path=name, chunk=index, offset=at)
+                        path=name,
+                        chunk=index,
+                        offset=at,
+                    )
                 head = ckz.unpack_chunk_header(
                     magic + read_full(inp, ckz.CHUNK_HEADER_SIZE - 4),
-                    path=name, chunk=index, offset=at, max_body=max_body)
+                    path=name,
+                    chunk=index,
+                    offset=at,
+                    max_body=max_body,
+                )
                 if head.raw_len > chunk_size or head.raw_len == 0:
                     raise ckz.ContainerError(
-                        f"chunk claims {head.raw_len} raw bytes, outside (0, {chunk_size}]; "
-                        "the container is corrupt", path=name, chunk=index, offset=at)
+                        f"chunk claims {head.raw_len} raw bytes, outside (0, {chunk_size}]; the container is corrupt",
+                        path=name,
+                        chunk=index,
+                        offset=at,
+                    )
                 if head.raw_offset != raw_total:
                     raise ckz.ContainerError(
-                        f"chunk claims raw offset {head.raw_offset}, expected {raw_total}; "
-                        "the container is corrupt", path=name, chunk=index, offset=at)
+                        f"chunk claims raw offset {head.raw_offset}, expected {raw_total}; the container is corrupt",
+                        path=name,
+                        chunk=index,
+                        offset=at,
+                    )
                 body = read_full(inp, head.body_len)
                 if len(body) < head.body_len:
                     raise ckz.ContainerError(
                         f"truncated inside the chunk body ({len(body)} of {head.body_len} "
                         "bytes); the object was cut short, fetch it again",
-                        path=name, chunk=index, offset=at + ckz.CHUNK_HEADER_SIZE + len(body))
+                        path=name,
+                        chunk=index,
+                        offset=at + ckz.CHUNK_HEADER_SIZE + len(body),
+                    )
                 pending.append(pool.submit(_decode_chunk, head, body, name, at))
                 raw_total += head.raw_len
                 index += 1
@@ -195,17 +229,25 @@ class BytegroupCodec:
         if count != index or total != raw_total:
             raise ckz.ContainerError(
                 f"end record lists {count} chunks / {total} bytes but the container holds "
-                f"{index} / {raw_total}; chunks are missing", path=name, chunk=index, offset=at)
+                f"{index} / {raw_total}; chunks are missing",
+                path=name,
+                chunk=index,
+                offset=at,
+            )
         if raw_hash.digest() != digest:
-            raise ckz.ContainerError("digest of the whole content does not match the end "
-                                     "record; the container is corrupt", path=name, offset=at)
+            raise ckz.ContainerError(
+                "digest of the whole content does not match the end record; the container is corrupt",
+                path=name,
+                offset=at,
+            )
         if read_full(inp, 1):
-            raise ckz.ContainerError("unexpected bytes after the end record; the object is "
-                                     "damaged or two objects were concatenated", path=name,
-                                     offset=inp.count - 1)
+            raise ckz.ContainerError(
+                "unexpected bytes after the end record; the object is damaged or two objects were concatenated",
+                path=name,
+                offset=inp.count - 1,
+            )
         out.flush()
-        return CodecStats(raw_total, inp.count, raw_hash.hexdigest(), inp.hexdigest(),
-                          time.perf_counter() - t0)
+        return CodecStats(raw_total, inp.count, raw_hash.hexdigest(), inp.hexdigest(), time.perf_counter() - t0)
 
 
 def _write_parts(out: HashingWriter, parts: list[bytes]) -> None:
@@ -264,8 +306,10 @@ class _Cutter:
             cur = e
         add(PLAIN, end - cur)
         # ranges that end before this chunk will never matter again
-        while self._first < len(self._ranges) and \
-                self._ranges[self._first].offset + self._ranges[self._first].length <= end:
+        while (
+            self._first < len(self._ranges)
+            and self._ranges[self._first].offset + self._ranges[self._first].length <= end
+        ):
             self._first += 1
         return out
 
@@ -278,14 +322,15 @@ class _Cutter:
                 yield r
 
 
-def _encode_chunk(index: int, raw_offset: int, buf: bytes, segments: list[tuple[int, int]],
-                  level: int, exp_level: int | None) -> list[bytes]:
+def _encode_chunk(
+    index: int, raw_offset: int, buf: bytes, segments: list[tuple[int, int]], level: int, exp_level: int | None
+) -> list[bytes]:
     """Header + body parts of one chunk (runs on a worker thread)."""
     arr = np.frombuffer(buf, np.uint8)
     parts: dict[int, list[np.ndarray]] = {k: [] for k in KINDS}
     pos = 0
     for kind, n in segments:
-        parts[kind].append(arr[pos:pos + n])
+        parts[kind].append(arr[pos : pos + n])
         pos += n
     streams: list[tuple[int, bytes]] = []
     for kind in KINDS:
@@ -301,8 +346,9 @@ def _encode_chunk(index: int, raw_offset: int, buf: bytes, segments: list[tuple[
     h = xxhash.xxh3_64()
     for p in body:
         h.update(p)
-    head = ckz.ChunkHeader(index, raw_offset, len(buf), sum(len(p) for p in body),
-                           xxhash.xxh3_128(buf).digest(), h.intdigest())
+    head = ckz.ChunkHeader(
+        index, raw_offset, len(buf), sum(len(p) for p in body), xxhash.xxh3_128(buf).digest(), h.intdigest()
+    )
     return [ckz.pack_chunk_header(head), *body]
 
 
@@ -314,13 +360,16 @@ def _pack_stream(data: np.ndarray, level: int | None) -> tuple[int, memoryview |
     return ckz.METHOD_ZSTD, z
 
 
-def _decode_chunk(head: ckz.ChunkHeader, body: bytes, name: str | None,
-                  at: int) -> memoryview:
+def _decode_chunk(head: ckz.ChunkHeader, body: bytes, name: str | None, at: int) -> memoryview:
     """The raw bytes of one chunk, checked against its digest (runs on a worker thread)."""
+
     def bad(what: str) -> ckz.ContainerError:
-        return ckz.ContainerError(f"{what}; the container is corrupt, fetch it again or "
-                                  "restore from another tier", path=name, chunk=head.index,
-                                  offset=at)
+        return ckz.ContainerError(
+            f"{what}; the container is corrupt, fetch it again or restore from another tier",
+            path=name,
+            chunk=head.index,
+            offset=at,
+        )
 
     h = xxhash.xxh3_64(body)
     if h.intdigest() != head.body_check:
@@ -329,19 +378,20 @@ def _decode_chunk(head: ckz.ChunkHeader, body: bytes, name: str | None,
         segments, streams = ckz.unpack_body(memoryview(body))
     except ValueError as e:
         raise bad(f"chunk body is malformed ({e})") from None
-    totals = {k: 0 for k in KINDS}
+    totals = dict.fromkeys(KINDS, 0)
     for kind, n in segments:
         if kind not in totals or (kind != PLAIN and n % kind):
             raise bad(f"segment of kind {kind} and length {n} is invalid")
         totals[kind] += n
     if sum(totals.values()) != head.raw_len:
         raise bad(f"segments cover {sum(totals.values())} bytes, the chunk has {head.raw_len}")
-    expected = [(k, totals[k] // (1 if k == PLAIN else k)) for k in KINDS if totals[k]
-                for _ in range(1 if k == PLAIN else k)]
+    expected = [
+        (k, totals[k] // (1 if k == PLAIN else k)) for k in KINDS if totals[k] for _ in range(1 if k == PLAIN else k)
+    ]
     if len(expected) != len(streams):
         raise bad(f"chunk has {len(streams)} streams, its segments need {len(expected)}")
     decoded: list[np.ndarray] = []
-    for (method, data), (_, n) in zip(streams, expected):
+    for (method, data), (_, n) in zip(streams, expected, strict=True):
         if method == ckz.METHOD_RAW:
             out = data  # a view into the body: no copy
         elif method == ckz.METHOD_ZSTD:
@@ -363,16 +413,16 @@ def _decode_chunk(head: ckz.ChunkHeader, body: bytes, name: str | None,
             groups[k] = decoded[i]
             i += 1
         else:
-            groups[k] = merge(decoded[i:i + k], k)
+            groups[k] = merge(decoded[i : i + k], k)
             i += k
     if len(segments) == 1:  # one tensor fills the chunk: no scatter copy needed
         raw = groups[segments[0][0]]
     else:
         raw = np.empty(head.raw_len, np.uint8)
     pos = 0
-    cursor = {k: 0 for k in KINDS}
+    cursor = dict.fromkeys(KINDS, 0)
     for kind, n in segments if len(segments) > 1 else ():
-        raw[pos:pos + n] = groups[kind][cursor[kind]:cursor[kind] + n]
+        raw[pos : pos + n] = groups[kind][cursor[kind] : cursor[kind] + n]
         cursor[kind] += n
         pos += n
     if xxhash.xxh3_128(raw).digest() != head.raw_digest:

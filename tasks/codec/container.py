@@ -48,10 +48,18 @@ FILE_FIXED_SIZE = _FILE_FIXED.size
 class ContainerError(CodecError):
     """A container is truncated, corrupt or unknown; says which file, chunk and offset."""
 
-    def __init__(self, message: str, *, path: str | None = None, chunk: int | None = None,
-                 offset: int | None = None) -> None:
-        parts = [p for p in (path, None if chunk is None else f"chunk {chunk}",
-                             None if offset is None else f"stored byte offset {offset}") if p]
+    def __init__(
+        self, message: str, *, path: str | None = None, chunk: int | None = None, offset: int | None = None
+    ) -> None:
+        parts = [
+            p
+            for p in (
+                path,
+                None if chunk is None else f"chunk {chunk}",
+                None if offset is None else f"stored byte offset {offset}",
+            )
+            if p
+        ]
         super().__init__(f"{', '.join(parts)}: {message}" if parts else message)
         self.path, self.chunk, self.offset = path, chunk, offset
 
@@ -65,6 +73,7 @@ def check64(*parts: bytes | bytearray | memoryview) -> int:
 
 # ---- file header ------------------------------------------------------------------
 
+
 def pack_file_header(params: dict) -> bytes:
     body = json.dumps(params, sort_keys=True, separators=(",", ":")).encode()
     head = _FILE_FIXED.pack(MAGIC, VERSION, 0, len(body)) + body
@@ -74,42 +83,50 @@ def pack_file_header(params: dict) -> bytes:
 def unpack_file_header(fixed: bytes, rest_reader, path: str | None) -> tuple[dict, int]:
     """Parse the header from its fixed part and a ``read(n)`` for the rest; returns (params, size)."""
     if fixed and len(fixed) < FILE_FIXED_SIZE and MAGIC.startswith(fixed[:8]):
-        raise ContainerError(f"truncated inside the file header ({len(fixed)} bytes)",
-                             path=path, offset=len(fixed))
+        raise ContainerError(f"truncated inside the file header ({len(fixed)} bytes)", path=path, offset=len(fixed))
     if len(fixed) < FILE_FIXED_SIZE or fixed[:8] != MAGIC:
-        hint = (" (it is a plain zstd stream: decompress it with codec 'zstd')"
-                if fixed.startswith(b"\x28\xb5\x2f\xfd") else "")
-        raise ContainerError(f"not a ckptflow .ckz container (magic {fixed[:8]!r}){hint}",
-                             path=path, offset=0)
+        hint = (
+            " (it is a plain zstd stream: decompress it with codec 'zstd')"
+            if fixed.startswith(b"\x28\xb5\x2f\xfd")
+            else ""
+        )
+        raise ContainerError(f"not a ckptflow .ckz container (magic {fixed[:8]!r}){hint}", path=path, offset=0)
     _, version, flags, plen = _FILE_FIXED.unpack(fixed)
     if version != VERSION:
-        raise ContainerError(f"container version {version} is not supported (this ckptflow "
-                             f"reads version {VERSION}); upgrade ckptflow", path=path, offset=8)
+        raise ContainerError(
+            f"container version {version} is not supported (this ckptflow reads version {VERSION}); upgrade ckptflow",
+            path=path,
+            offset=8,
+        )
     if flags:
-        raise ContainerError(f"container flags {flags:#06x} are unknown to this ckptflow; "
-                             "upgrade ckptflow", path=path, offset=10)
+        raise ContainerError(
+            f"container flags {flags:#06x} are unknown to this ckptflow; upgrade ckptflow", path=path, offset=10
+        )
     if plen > MAX_PARAMS:
-        raise ContainerError(f"header declares {plen} bytes of parameters (at most "
-                             f"{MAX_PARAMS}); the header is corrupt", path=path, offset=12)
+        raise ContainerError(
+            f"header declares {plen} bytes of parameters (at most {MAX_PARAMS}); the header is corrupt",
+            path=path,
+            offset=12,
+        )
     rest = rest_reader(plen + 8)
     if len(rest) < plen + 8:
-        raise ContainerError("truncated inside the file header", path=path,
-                             offset=FILE_FIXED_SIZE + len(rest))
+        raise ContainerError("truncated inside the file header", path=path, offset=FILE_FIXED_SIZE + len(rest))
     body, (check,) = rest[:plen], _U64.unpack(rest[plen:])
     if check64(fixed, body) != check:
-        raise ContainerError("file header checksum mismatch; the header is corrupt",
-                             path=path, offset=0)
+        raise ContainerError("file header checksum mismatch; the header is corrupt", path=path, offset=0)
     try:
         params = json.loads(body)
         if not isinstance(params, dict):
             raise ValueError("not an object")
     except ValueError as e:
-        raise ContainerError(f"header parameters are not a JSON object ({e})", path=path,
-                             offset=FILE_FIXED_SIZE) from None
+        raise ContainerError(
+            f"header parameters are not a JSON object ({e})", path=path, offset=FILE_FIXED_SIZE
+        ) from None
     return params, FILE_FIXED_SIZE + plen + 8
 
 
 # ---- chunk and end records ------------------------------------------------------------
+
 
 @dataclass(frozen=True, slots=True)
 class ChunkHeader:
@@ -122,33 +139,47 @@ class ChunkHeader:
 
 
 def pack_chunk_header(h: ChunkHeader) -> bytes:
-    head = _CHUNK.pack(CHUNK_MAGIC, h.index, h.raw_offset, h.raw_len, h.body_len,
-                       h.raw_digest, h.body_check)
+    head = _CHUNK.pack(CHUNK_MAGIC, h.index, h.raw_offset, h.raw_len, h.body_len, h.raw_digest, h.body_check)
     return head + _U64.pack(check64(head))
 
 
-def unpack_chunk_header(b: bytes, *, path: str | None, chunk: int, offset: int,
-                        max_body: int) -> ChunkHeader:
+def unpack_chunk_header(b: bytes, *, path: str | None, chunk: int, offset: int, max_body: int) -> ChunkHeader:
     """Parse and check a 56-byte chunk header; every length is bounded before use."""
     if len(b) < CHUNK_HEADER_SIZE:
-        raise ContainerError(f"truncated inside the chunk header ({len(b)} of "
-                             f"{CHUNK_HEADER_SIZE} bytes)", path=path, chunk=chunk, offset=offset)
-    head, (check,) = b[:_CHUNK.size], _U64.unpack(b[_CHUNK.size:CHUNK_HEADER_SIZE])
+        raise ContainerError(
+            f"truncated inside the chunk header ({len(b)} of {CHUNK_HEADER_SIZE} bytes)",
+            path=path,
+            chunk=chunk,
+            offset=offset,
+        )
+    head, (check,) = b[: _CHUNK.size], _U64.unpack(b[_CHUNK.size : CHUNK_HEADER_SIZE])
     if head[:4] != CHUNK_MAGIC:
-        raise ContainerError(f"expected a chunk header, found bytes {head[:4]!r}; the "
-                             "container is corrupt here", path=path, chunk=chunk, offset=offset)
+        raise ContainerError(
+            f"expected a chunk header, found bytes {head[:4]!r}; the container is corrupt here",
+            path=path,
+            chunk=chunk,
+            offset=offset,
+        )
     if check64(head) != check:
-        raise ContainerError("chunk header checksum mismatch; the container is corrupt here",
-                             path=path, chunk=chunk, offset=offset)
+        raise ContainerError(
+            "chunk header checksum mismatch; the container is corrupt here", path=path, chunk=chunk, offset=offset
+        )
     _, index, raw_offset, raw_len, body_len, raw_digest, body_check = _CHUNK.unpack(head)
     h = ChunkHeader(index, raw_offset, raw_len, body_len, raw_digest, body_check)
     if index != chunk:
-        raise ContainerError(f"chunk header says it is chunk {index}; chunks are missing or "
-                             "out of order", path=path, chunk=chunk, offset=offset)
+        raise ContainerError(
+            f"chunk header says it is chunk {index}; chunks are missing or out of order",
+            path=path,
+            chunk=chunk,
+            offset=offset,
+        )
     if raw_len > MAX_CHUNK or body_len > max_body:
-        raise ContainerError(f"chunk lengths raw={raw_len} stored={body_len} exceed the "
-                             "container's limits; the container is corrupt",
-                             path=path, chunk=chunk, offset=offset)
+        raise ContainerError(
+            f"chunk lengths raw={raw_len} stored={body_len} exceed the container's limits; the container is corrupt",
+            path=path,
+            chunk=chunk,
+            offset=offset,
+        )
     return h
 
 
@@ -159,12 +190,12 @@ def pack_end(chunk_count: int, raw_total: int, raw_digest: bytes) -> bytes:
 
 def unpack_end(b: bytes, *, path: str | None, chunk: int, offset: int) -> tuple[int, int, bytes]:
     if len(b) < END_SIZE:
-        raise ContainerError("truncated inside the end record", path=path, chunk=chunk,
-                             offset=offset)
-    head, (check,) = b[:_END.size], _U64.unpack(b[_END.size:END_SIZE])
+        raise ContainerError("truncated inside the end record", path=path, chunk=chunk, offset=offset)
+    head, (check,) = b[: _END.size], _U64.unpack(b[_END.size : END_SIZE])
     if check64(head) != check:
-        raise ContainerError("end record checksum mismatch; the container is corrupt",
-                             path=path, chunk=chunk, offset=offset)
+        raise ContainerError(
+            "end record checksum mismatch; the container is corrupt", path=path, chunk=chunk, offset=offset
+        )
     _, _, count, total, digest = _END.unpack(head)
     return count, total, digest
 
@@ -177,8 +208,9 @@ METHOD_RAW = 0
 METHOD_ZSTD = 1
 
 
-def pack_body(segments: list[tuple[int, int]],
-              streams: list[tuple[int, bytes | memoryview]]) -> list[bytes | memoryview]:
+def pack_body(
+    segments: list[tuple[int, int]], streams: list[tuple[int, bytes | memoryview]]
+) -> list[bytes | memoryview]:
     """Body parts: ``u32 nseg, nseg x (u8 kind, u32 len), u8 nstreams,
     nstreams x (u8 method, u32 stored_len)``, then the stored streams."""
     table = bytearray(struct.pack("<I", len(segments)))
@@ -214,7 +246,7 @@ def unpack_body(body: memoryview) -> tuple[list[tuple[int, int]], list[tuple[int
     for method, n in heads:
         if pos + n > len(body):
             raise ValueError("a stream overruns the body")
-        streams.append((method, body[pos:pos + n]))
+        streams.append((method, body[pos : pos + n]))
         pos += n
     if pos != len(body):
         raise ValueError(f"{len(body) - pos} unexplained bytes after the streams")

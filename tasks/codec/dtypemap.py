@@ -24,8 +24,9 @@ import json
 import os
 import re
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import BinaryIO, Iterable
+from typing import BinaryIO
 
 from ckptflow.tasks.codec.grouping import PLAIN, kind_for_dtype
 from ckptflow.trainer import layout
@@ -63,15 +64,13 @@ class DtypeMap:
         end = 0
         for r in self.ranges:
             if r.offset < end or r.length < 0:
-                raise ConfigError(f"dtype map ranges overlap or are unsorted at offset "
-                                  f"{r.offset} (length {r.length})")
+                raise ConfigError(f"dtype map ranges overlap or are unsorted at offset {r.offset} (length {r.length})")
             end = r.offset + r.length
 
     @classmethod
-    def from_ranges(cls, ranges: Iterable[Range]) -> "DtypeMap":
+    def from_ranges(cls, ranges: Iterable[Range]) -> DtypeMap:
         """Sort, drop empty and ungrouped ranges; overlapping ranges are a caller bug."""
-        rs = sorted((r for r in ranges if r.length > 0 and r.kind != PLAIN),
-                    key=lambda r: r.offset)
+        rs = sorted((r for r in ranges if r.length > 0 and r.kind != PLAIN), key=lambda r: r.offset)
         return cls(tuple(rs))
 
     @property
@@ -82,7 +81,7 @@ class DtypeMap:
         return [[r.offset, r.length, r.dtype] for r in self.ranges]
 
     @classmethod
-    def from_json(cls, data: list) -> "DtypeMap":
+    def from_json(cls, data: list) -> DtypeMap:
         return cls.from_ranges(Range(int(o), int(n), str(d)) for o, n, d in data)
 
 
@@ -144,8 +143,11 @@ def _torch_save_data(f: BinaryIO, off: int, n: int, dtype: str) -> list[Range]:
         if at < 0 or len(tail) - at < 22:
             return []
         _, _, _, count, cd_size, cd_off, _ = struct.unpack_from("<HHHHIIH", tail, at + 4)
-        if (count == 0xFFFF or cd_size == 0xFFFFFFFF or cd_off == 0xFFFFFFFF) and at >= 20 \
-                and tail[at - 20:at - 16] == _EOCD64_LOCATOR:
+        if (
+            (count == 0xFFFF or cd_size == 0xFFFFFFFF or cd_off == 0xFFFFFFFF)
+            and at >= 20
+            and tail[at - 20 : at - 16] == _EOCD64_LOCATOR
+        ):
             (eocd64_off,) = struct.unpack_from("<Q", tail, at - 20 + 8)
             f.seek(off + eocd64_off)
             z = f.read(56)
@@ -159,13 +161,15 @@ def _torch_save_data(f: BinaryIO, off: int, n: int, dtype: str) -> list[Range]:
         out = []
         p = 0
         for _ in range(count):
-            if cd[p:p + 4] != _CDIR:
+            if cd[p : p + 4] != _CDIR:
                 return []
-            method, csize, usize, nlen, elen, clen = (struct.unpack_from("<H", cd, p + 10)[0],
-                                                      *struct.unpack_from("<IIHHH", cd, p + 20))
+            method, csize, usize, nlen, elen, clen = (
+                struct.unpack_from("<H", cd, p + 10)[0],
+                *struct.unpack_from("<IIHHH", cd, p + 20),
+            )
             (local,) = struct.unpack_from("<I", cd, p + 42)
-            name = cd[p + 46:p + 46 + nlen].decode("utf-8", "replace")
-            extra = cd[p + 46 + nlen:p + 46 + nlen + elen]
+            name = cd[p + 46 : p + 46 + nlen].decode("utf-8", "replace")
+            extra = cd[p + 46 + nlen : p + 46 + nlen + elen]
             p += 46 + nlen + elen + clen
             if not _DATA_MEMBER.search(name):
                 continue

@@ -39,10 +39,19 @@ _WORD = {2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 # dtype name (as torch prints it, without "torch.") -> element width to group by.
 # Complex numbers are pairs of floats of half their size.
 _FLOAT_WIDTH = {
-    "bfloat16": 2, "float16": 2, "half": 2,
-    "float32": 4, "float": 4, "complex32": 2, "chalf": 2,
-    "float64": 8, "double": 8, "complex64": 4, "cfloat": 4,
-    "complex128": 8, "cdouble": 8,
+    "bfloat16": 2,
+    "float16": 2,
+    "half": 2,
+    "float32": 4,
+    "float": 4,
+    "complex32": 2,
+    "chalf": 2,
+    "float64": 8,
+    "double": 8,
+    "complex64": 4,
+    "cfloat": 4,
+    "complex128": 8,
+    "cdouble": 8,
 }
 
 

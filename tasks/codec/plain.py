@@ -19,8 +19,7 @@ from typing import TYPE_CHECKING, BinaryIO
 
 import zstandard
 
-from ckptflow.tasks.codec.base import (CodecStats, HashingReader, HashingWriter, default_threads,
-                              read_full, where)
+from ckptflow.tasks.codec.base import CodecStats, HashingReader, HashingWriter, default_threads, read_full, where
 from ckptflow.trainer.errors import CodecError, ConfigError
 
 if TYPE_CHECKING:
@@ -48,13 +47,21 @@ class NoneCodec:
     name = "none"
     suffix = ""
 
-    def compress(self, src: BinaryIO, dst: BinaryIO, *, level: int | None = None,
-                 threads: int | None = None, dtype_map: "DtypeMap | None" = None,
-                 name: str | None = None) -> CodecStats:
+    def compress(
+        self,
+        src: BinaryIO,
+        dst: BinaryIO,
+        *,
+        level: int | None = None,
+        threads: int | None = None,
+        dtype_map: DtypeMap | None = None,
+        name: str | None = None,
+    ) -> CodecStats:
         return _copy(src, dst)
 
-    def decompress(self, src: BinaryIO, dst: BinaryIO, *, threads: int | None = None,
-                   name: str | None = None) -> CodecStats:
+    def decompress(
+        self, src: BinaryIO, dst: BinaryIO, *, threads: int | None = None, name: str | None = None
+    ) -> CodecStats:
         return _copy(src, dst)
 
 
@@ -78,21 +85,29 @@ class ZstdCodec:
     suffix = ".zst"
     default_level = 3
 
-    def compress(self, src: BinaryIO, dst: BinaryIO, *, level: int | None = None,
-                 threads: int | None = None, dtype_map: "DtypeMap | None" = None,
-                 name: str | None = None) -> CodecStats:
+    def compress(
+        self,
+        src: BinaryIO,
+        dst: BinaryIO,
+        *,
+        level: int | None = None,
+        threads: int | None = None,
+        dtype_map: DtypeMap | None = None,
+        name: str | None = None,
+    ) -> CodecStats:
         t0 = time.perf_counter()
         n = default_threads(threads)
-        cctx = zstandard.ZstdCompressor(level=check_level(level, self.default_level),
-                                        threads=n if n > 1 else 0, write_checksum=True)
+        cctx = zstandard.ZstdCompressor(
+            level=check_level(level, self.default_level), threads=n if n > 1 else 0, write_checksum=True
+        )
         reader, writer = HashingReader(src), HashingWriter(dst)
         cctx.copy_stream(reader, writer, read_size=COPY_BLOCK, write_size=COPY_BLOCK)
         writer.flush()
-        return CodecStats(reader.count, writer.count, reader.hexdigest(), writer.hexdigest(),
-                          time.perf_counter() - t0)
+        return CodecStats(reader.count, writer.count, reader.hexdigest(), writer.hexdigest(), time.perf_counter() - t0)
 
-    def decompress(self, src: BinaryIO, dst: BinaryIO, *, threads: int | None = None,
-                   name: str | None = None) -> CodecStats:
+    def decompress(
+        self, src: BinaryIO, dst: BinaryIO, *, threads: int | None = None, name: str | None = None
+    ) -> CodecStats:
         t0 = time.perf_counter()
         reader, writer = HashingReader(src), HashingWriter(dst)
         frames = 0
@@ -113,16 +128,17 @@ class ZstdCodec:
                     raise CodecError(
                         f"{where(name)}not a zstd stream: bytes {magic!r} at offset "
                         f"{reader.count - 4} are no zstd frame magic (codec 'zstd'); the "
-                        "object is damaged or was stored with another codec")
+                        "object is damaged or was stored with another codec"
+                    )
                 _decode_frame(magic, reader, writer, name)
         except zstandard.ZstdError as e:
             raise CodecError(
                 f"{where(name)}zstd frame {frames} is corrupt near stored byte offset "
                 f"{reader.count} ({e}); the stored object is damaged, fetch it again or "
-                "restore from another tier") from None
+                "restore from another tier"
+            ) from None
         writer.flush()
-        return CodecStats(writer.count, reader.count, writer.hexdigest(), reader.hexdigest(),
-                          time.perf_counter() - t0)
+        return CodecStats(writer.count, reader.count, writer.hexdigest(), reader.hexdigest(), time.perf_counter() - t0)
 
 
 def _need(reader: HashingReader, n: int, name: str | None, what: str) -> bytes:
@@ -135,20 +151,18 @@ def _need(reader: HashingReader, n: int, name: str | None, what: str) -> bytes:
 def _truncated(name: str | None, offset: int, what: str) -> CodecError:
     return CodecError(
         f"{where(name)}zstd stream is truncated at stored byte offset {offset}, inside "
-        f"{what}; the object was cut short (partial upload or download): fetch it again")
+        f"{what}; the object was cut short (partial upload or download): fetch it again"
+    )
 
 
-def _decode_frame(magic: bytes, reader: HashingReader, writer: HashingWriter,
-                  name: str | None) -> None:
+def _decode_frame(magic: bytes, reader: HashingReader, writer: HashingWriter, name: str | None) -> None:
     """Feed one frame to a streaming decoder, block by block, requiring its last block."""
-    dec = zstandard.ZstdDecompressor().stream_writer(writer, write_size=COPY_BLOCK,
-                                                     closefd=False)
+    dec = zstandard.ZstdDecompressor().stream_writer(writer, write_size=COPY_BLOCK, closefd=False)
     fhd = _need(reader, 1, name, "a frame header")
     d = fhd[0]
     fcs_flag, single, has_checksum, dict_flag = d >> 6, (d >> 5) & 1, (d >> 2) & 1, d & 3
     fcs = _FCS_SIZES[fcs_flag] if fcs_flag or not single else 1
-    rest = _need(reader, (0 if single else 1) + _DICT_ID_SIZES[dict_flag] + fcs, name,
-                 "a frame header")
+    rest = _need(reader, (0 if single else 1) + _DICT_ID_SIZES[dict_flag] + fcs, name, "a frame header")
     dec.write(magic + fhd + rest)
     while True:
         bh = _need(reader, 3, name, "a block header")

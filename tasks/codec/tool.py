@@ -71,14 +71,21 @@ class DirReport:
         return self.raw_bytes / max(self.seconds, 1e-9) / 1e6
 
     def to_json(self) -> dict:
-        return {"src": self.src, "dst": self.dst, "raw_bytes": self.raw_bytes,
-                "stored_bytes": self.stored_bytes, "ratio": round(self.ratio, 4),
-                "seconds": round(self.seconds, 4), "mb_per_s": round(self.mb_per_s(), 1),
-                "files": [asdict(f) for f in self.files]}
+        return {
+            "src": self.src,
+            "dst": self.dst,
+            "raw_bytes": self.raw_bytes,
+            "stored_bytes": self.stored_bytes,
+            "ratio": round(self.ratio, 4),
+            "seconds": round(self.seconds, 4),
+            "mb_per_s": round(self.mb_per_s(), 1),
+            "files": [asdict(f) for f in self.files],
+        }
 
 
-def compress_dir(src_dir: str, dst_dir: str, codec: str = "bytegroup", level: int | None = None,
-                 threads: int | None = None) -> DirReport:
+def compress_dir(
+    src_dir: str, dst_dir: str, codec: str = "bytegroup", level: int | None = None, threads: int | None = None
+) -> DirReport:
     """Compress every file of ``src_dir`` into the new directory ``dst_dir``."""
     t0 = time.perf_counter()
     get_codec(codec)  # unknown names fail before any work
@@ -95,13 +102,23 @@ def compress_dir(src_dir: str, dst_dir: str, codec: str = "bytegroup", level: in
         stored_name = name + c.suffix
         dmap = maps.get(name)
         with open(src_path, "rb") as src, _Output(dst_dir, stored_name) as dst:
-            st = c.compress(src, dst.f, level=level if chosen == codec else None,
-                            threads=threads, dtype_map=dmap, name=src_path)
-        report.files.append(FileReport(name, chosen, stored_name, st.raw_bytes, st.stored_bytes,
-                                       st.raw_checksum, st.stored_checksum, st.seconds,
-                                       dmap.grouped_bytes if dmap else 0))
-    index = {"format": INDEX_FORMAT, "format_version": INDEX_VERSION,
-             "files": [asdict(f) for f in report.files]}
+            st = c.compress(
+                src, dst.f, level=level if chosen == codec else None, threads=threads, dtype_map=dmap, name=src_path
+            )
+        report.files.append(
+            FileReport(
+                name,
+                chosen,
+                stored_name,
+                st.raw_bytes,
+                st.stored_bytes,
+                st.raw_checksum,
+                st.stored_checksum,
+                st.seconds,
+                dmap.grouped_bytes if dmap else 0,
+            )
+        )
+    index = {"format": INDEX_FORMAT, "format_version": INDEX_VERSION, "files": [asdict(f) for f in report.files]}
     fsutil.replace_atomic(os.path.join(dst_dir, INDEX), (json.dumps(index, indent=1) + "\n").encode())
     report.seconds = time.perf_counter() - t0
     return report
@@ -127,12 +144,15 @@ def _check_metadata(src_dir: str) -> None:
 
     entry = read_manifest(src_dir).files.get(layout.DCP_METADATA)
     if entry is None:
-        raise IntegrityError(f"{src_dir}/{layout.MANIFEST}: does not list {layout.DCP_METADATA}; "
-                             "not a complete ckptflow checkpoint", path=src_dir)
+        raise IntegrityError(
+            f"{src_dir}/{layout.MANIFEST}: does not list {layout.DCP_METADATA}; not a complete ckptflow checkpoint",
+            path=src_dir,
+        )
     problem = check_file(src_dir, layout.DCP_METADATA, entry.size, entry.checksum)
     if problem is not None:
-        raise IntegrityError(f"{problem}; refusing to parse it (restore this step from another tier)",
-                             path=problem.path)
+        raise IntegrityError(
+            f"{problem}; refusing to parse it (restore this step from another tier)", path=problem.path
+        )
 
 
 def decompress_dir(src_dir: str, dst_dir: str, threads: int | None = None) -> DirReport:
@@ -144,20 +164,34 @@ def decompress_dir(src_dir: str, dst_dir: str, threads: int | None = None) -> Di
     for e in entries:
         src_path = os.path.join(src_dir, e.stored_name)
         if not os.path.isfile(src_path):
-            raise CheckpointNotFoundError(f"{src_path}: listed in {INDEX} but missing; the "
-                                          "compressed checkpoint is incomplete")
+            raise CheckpointNotFoundError(
+                f"{src_path}: listed in {INDEX} but missing; the compressed checkpoint is incomplete"
+            )
         with open(src_path, "rb") as src, _Output(dst_dir, e.name) as dst:
             st = get_codec(e.codec).decompress(src, dst.f, threads=threads, name=src_path)
-            if st.stored_checksum != e.stored_checksum or st.raw_checksum != e.raw_checksum \
-                    or st.raw_bytes != e.raw_bytes:
+            if (
+                st.stored_checksum != e.stored_checksum
+                or st.raw_checksum != e.raw_checksum
+                or st.raw_bytes != e.raw_bytes
+            ):
                 raise IntegrityError(
                     f"{src_path}: digests do not match {INDEX} (stored {st.stored_checksum} vs "
                     f"{e.stored_checksum}, raw {st.raw_checksum} vs {e.raw_checksum}); the "
                     "file is damaged or was replaced, restore it from another copy",
-                    path=src_path)
-        report.files.append(FileReport(e.name, e.codec, e.stored_name, st.raw_bytes,
-                                       st.stored_bytes, st.raw_checksum, st.stored_checksum,
-                                       st.seconds))
+                    path=src_path,
+                )
+        report.files.append(
+            FileReport(
+                e.name,
+                e.codec,
+                e.stored_name,
+                st.raw_bytes,
+                st.stored_bytes,
+                st.raw_checksum,
+                st.stored_checksum,
+                st.seconds,
+            )
+        )
     report.seconds = time.perf_counter() - t0
     return report
 
@@ -179,7 +213,7 @@ class _Output:
         self.tmp = self.path + _PART
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
 
-    def __enter__(self) -> "_Output":
+    def __enter__(self) -> _Output:
         self.f = open(self.tmp, "wb")
         return self
 
@@ -216,8 +250,7 @@ def _list_files(src_dir: str) -> list[str]:
 def _prepare_dst(src_dir: str, dst_dir: str) -> None:
     s, d = os.path.realpath(src_dir), os.path.realpath(dst_dir)
     if d == s or d.startswith(s + os.sep):
-        raise ConfigError(f"destination {dst_dir} is inside the source {src_dir}; choose a "
-                          "directory outside it")
+        raise ConfigError(f"destination {dst_dir} is inside the source {src_dir}; choose a directory outside it")
     if os.path.isdir(dst_dir) and os.listdir(dst_dir):
         raise ConfigError(f"destination {dst_dir} is not empty; choose a new or empty directory")
     os.makedirs(dst_dir, exist_ok=True)
@@ -228,7 +261,8 @@ def _read_index(src_dir: str) -> list[FileReport]:
     if not os.path.isfile(path):
         raise CheckpointNotFoundError(
             f"{path}: no codec index; {src_dir} is not a directory made by `ckptflow "
-            "compress`, or its compression did not finish")
+            "compress`, or its compression did not finish"
+        )
     with open(path, "rb") as f:
         data = f.read(MAX_INDEX_BYTES + 1)
     try:
@@ -247,6 +281,7 @@ def _read_index(src_dir: str) -> list[FileReport]:
     except IntegrityError:
         raise
     except (ValueError, TypeError, KeyError, AttributeError) as e:
-        raise IntegrityError(f"{path}: codec index is malformed ({e}); the compressed "
-                             "checkpoint is damaged", path=path) from None
+        raise IntegrityError(
+            f"{path}: codec index is malformed ({e}); the compressed checkpoint is damaged", path=path
+        ) from None
     return entries

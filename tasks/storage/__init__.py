@@ -16,12 +16,19 @@ if TYPE_CHECKING:
     from ckptflow.tasks.config import CkptflowConfig
 
 
-def open_tiers(config: "CkptflowConfig") -> list[Tier]:
+def open_tiers(config: CkptflowConfig) -> list[Tier]:
     """Tiers of a :class:`tasks.config.CkptflowConfig` in restore order (hot, warm, cold)."""
     return [Tier(t) for t in config.tiers()]
 
 
 __all__ = [
-    "Lease", "StoredCheckpoint", "StoredFile", "Tier", "TierIndex", "acquire_lease",
-    "active_leases", "leased_steps", "open_tiers",
+    "Lease",
+    "StoredCheckpoint",
+    "StoredFile",
+    "Tier",
+    "TierIndex",
+    "acquire_lease",
+    "active_leases",
+    "leased_steps",
+    "open_tiers",
 ]

@@ -72,19 +72,32 @@ class TierIndex:
 
     def to_json(self) -> bytes:
         d = {
-            "format": INDEX_FORMAT, "format_version": INDEX_VERSION,
-            "run_id": self.run_id, "step": self.step, "codec": self.codec, "level": self.level,
-            "checksum_algorithm": ALGORITHM, "manifest_checksum": self.manifest_checksum,
-            "created_at": self.created_at, "total_raw_bytes": self.total_raw_bytes,
+            "format": INDEX_FORMAT,
+            "format_version": INDEX_VERSION,
+            "run_id": self.run_id,
+            "step": self.step,
+            "codec": self.codec,
+            "level": self.level,
+            "checksum_algorithm": ALGORITHM,
+            "manifest_checksum": self.manifest_checksum,
+            "created_at": self.created_at,
+            "total_raw_bytes": self.total_raw_bytes,
             "total_stored_bytes": self.total_stored_bytes,
-            "files": {n: {"size": f.size, "checksum": f.checksum, "stored_name": f.stored_name,
-                          "stored_size": f.stored_size, "stored_checksum": f.stored_checksum}
-                      for n, f in sorted(self.files.items())},
+            "files": {
+                n: {
+                    "size": f.size,
+                    "checksum": f.checksum,
+                    "stored_name": f.stored_name,
+                    "stored_size": f.stored_size,
+                    "stored_checksum": f.stored_checksum,
+                }
+                for n, f in sorted(self.files.items())
+            },
         }
         return (json.dumps(d, indent=1) + "\n").encode()
 
     @classmethod
-    def from_json(cls, data: bytes, *, source: str) -> "TierIndex":
+    def from_json(cls, data: bytes, *, source: str) -> TierIndex:
         """Parse and validate (every name checked); ``source`` names the file in errors."""
         if len(data) > MAX_INDEX_BYTES:
             raise ManifestError(f"{source}: tier index is {len(data)} bytes; not ours", path=source)
@@ -93,22 +106,36 @@ class TierIndex:
             if not isinstance(d, dict) or d.get("format") != INDEX_FORMAT:
                 raise ValueError("not a ckptflow tier index")
             if d.get("format_version") != INDEX_VERSION:
-                raise ValueError(f"format_version {d.get('format_version')!r} is not supported "
-                                 f"(this ckptflow reads {INDEX_VERSION}); upgrade ckptflow")
+                raise ValueError(
+                    f"format_version {d.get('format_version')!r} is not supported "
+                    f"(this ckptflow reads {INDEX_VERSION}); upgrade ckptflow"
+                )
             if d.get("checksum_algorithm") != ALGORITHM:
                 raise ValueError(f"checksum_algorithm {d.get('checksum_algorithm')!r}")
             files = {}
             for name, e in d["files"].items():
-                files[name] = StoredFile(int(e["size"]), str(e["checksum"]), str(e["stored_name"]),
-                                         int(e["stored_size"]), str(e["stored_checksum"]))
-            idx = cls(run_id=str(d["run_id"]), step=int(d["step"]), codec=str(d["codec"]),
-                      level=None if d.get("level") is None else int(d["level"]),
-                      manifest_checksum=str(d["manifest_checksum"]), files=files,
-                      created_at=float(d["created_at"]))
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError,
-                AttributeError) as e:
-            raise ManifestError(f"{source}: tier index is malformed ({e}); the stored checkpoint "
-                                "is damaged, restore it from another tier", path=source) from None
+                files[name] = StoredFile(
+                    int(e["size"]),
+                    str(e["checksum"]),
+                    str(e["stored_name"]),
+                    int(e["stored_size"]),
+                    str(e["stored_checksum"]),
+                )
+            idx = cls(
+                run_id=str(d["run_id"]),
+                step=int(d["step"]),
+                codec=str(d["codec"]),
+                level=None if d.get("level") is None else int(d["level"]),
+                manifest_checksum=str(d["manifest_checksum"]),
+                files=files,
+                created_at=float(d["created_at"]),
+            )
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ManifestError(
+                f"{source}: tier index is malformed ({e}); the stored checkpoint "
+                "is damaged, restore it from another tier",
+                path=source,
+            ) from None
         idx.check_names(source)
         return idx
 
@@ -123,9 +150,11 @@ class TierIndex:
             layout.check_member_name(name)
             layout.check_member_name(f.stored_name)
             if f.stored_name in RESERVED or f.stored_name in seen:
-                raise UnsafePathError(f"{source}: stored name {f.stored_name!r} is reserved or "
-                                      "listed twice; the index was edited, do not use it",
-                                      path=source)
+                raise UnsafePathError(
+                    f"{source}: stored name {f.stored_name!r} is reserved or "
+                    "listed twice; the index was edited, do not use it",
+                    path=source,
+                )
             seen.add(f.stored_name)
 
     def check_against(self, manifest: Manifest, manifest_bytes: bytes, source: str) -> None:
@@ -134,35 +163,45 @@ class TierIndex:
         if hash_bytes(manifest_bytes) != self.manifest_checksum:
             problems.append("manifest.json does not match the digest recorded in the index")
         if (self.run_id, self.step) != (manifest.run_id, manifest.step):
-            problems.append(f"index is for {self.run_id} step {self.step}, manifest for "
-                            f"{manifest.run_id} step {manifest.step}")
+            problems.append(
+                f"index is for {self.run_id} step {self.step}, manifest for {manifest.run_id} step {manifest.step}"
+            )
         if set(self.files) != set(manifest.files):
-            problems.append(f"files differ: index {sorted(self.files)}, manifest "
-                            f"{sorted(manifest.files)}")
+            problems.append(f"files differ: index {sorted(self.files)}, manifest {sorted(manifest.files)}")
         for name, f in self.files.items():
             m = manifest.files.get(name)
             if m is not None and (m.size, m.checksum) != (f.size, f.checksum):
                 problems.append(f"{name}: raw size/checksum differ from the manifest")
         if problems:
-            raise ManifestError(f"{source}: tier index and manifest disagree ({'; '.join(problems)}); "
-                                "the stored checkpoint is damaged or was edited, restore it from "
-                                "another tier", path=source)
+            raise ManifestError(
+                f"{source}: tier index and manifest disagree ({'; '.join(problems)}); "
+                "the stored checkpoint is damaged or was edited, restore it from "
+                "another tier",
+                path=source,
+            )
 
 
 def identity_index(manifest: Manifest, manifest_bytes: bytes) -> TierIndex:
     """The index of a checkpoint stored as the trainer wrote it (the hot tier has no tier.json)."""
     return TierIndex(
-        run_id=manifest.run_id, step=manifest.step, codec="none", level=None,
-        manifest_checksum=hash_bytes(manifest_bytes), created_at=manifest.created_at,
-        files={n: StoredFile(e.size, e.checksum, n, e.size, e.checksum)
-               for n, e in manifest.files.items()},
+        run_id=manifest.run_id,
+        step=manifest.step,
+        codec="none",
+        level=None,
+        manifest_checksum=hash_bytes(manifest_bytes),
+        created_at=manifest.created_at,
+        files={n: StoredFile(e.size, e.checksum, n, e.size, e.checksum) for n, e in manifest.files.items()},
     )
 
 
 def marker_json(index_bytes: bytes) -> bytes:
     """Content of ``_COMMITTED``: the digest of the tier index it vouches for."""
-    return (json.dumps({"format": MARKER_FORMAT, "tier_index_checksum": hash_bytes(index_bytes),
-                        "committed_at": time.time()}) + "\n").encode()
+    return (
+        json.dumps(
+            {"format": MARKER_FORMAT, "tier_index_checksum": hash_bytes(index_bytes), "committed_at": time.time()}
+        )
+        + "\n"
+    ).encode()
 
 
 def parse_marker(data: bytes, *, source: str) -> str:
@@ -172,7 +211,8 @@ def parse_marker(data: bytes, *, source: str) -> str:
         if d.get("format") != MARKER_FORMAT:
             raise ValueError("not a ckptflow commit marker")
         return str(d["tier_index_checksum"])
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError,
-            AttributeError) as e:
-        raise ManifestError(f"{source}: commit marker is malformed ({e}); treat the checkpoint "
-                            "as uncommitted and archive it again", path=source) from None
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ManifestError(
+            f"{source}: commit marker is malformed ({e}); treat the checkpoint as uncommitted and archive it again",
+            path=source,
+        ) from None

@@ -21,10 +21,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from ckptflow.tasks.storage.tier import Tier
 from ckptflow.trainer import layout
 from ckptflow.trainer.errors import ConfigError
-
-from ckptflow.tasks.storage.tier import Tier
 
 log = logging.getLogger(__name__)
 
@@ -47,20 +46,18 @@ def lease_url(tier: Tier, run_id: str, step: int, lease_id: str) -> str:
     """The one place the lease file name is made (``trainer.layout`` names the folder)."""
     if not lease_id.isalnum():
         raise ConfigError(f"lease id {lease_id!r} must be alphanumeric")
-    return layout.join(layout.run_dir(tier.url, run_id), layout.LEASES_DIR,
-                       f"{layout.step_name(step)}.{lease_id}.json")
+    return layout.join(layout.run_dir(tier.url, run_id), layout.LEASES_DIR, f"{layout.step_name(step)}.{lease_id}.json")
 
 
 def _parse_name(name: str) -> tuple[int, str] | None:
     if not name.endswith(".json"):
         return None
-    stem, _, lease_id = name[:-len(".json")].rpartition(".")
+    stem, _, lease_id = name[: -len(".json")].rpartition(".")
     step = layout.parse_step(stem)
     return (step, lease_id) if step is not None and lease_id.isalnum() else None
 
 
-def write_lease(tier: Tier, run_id: str, step: int, holder: str, ttl_s: float,
-                lease_id: str | None = None) -> Lease:
+def write_lease(tier: Tier, run_id: str, step: int, holder: str, ttl_s: float, lease_id: str | None = None) -> Lease:
     """Create (or renew, with the same ``lease_id``) a lease; returns it."""
     if not ttl_s > 0:
         raise ConfigError(f"lease ttl_s={ttl_s!r} must be > 0")
@@ -68,8 +65,15 @@ def write_lease(tier: Tier, run_id: str, step: int, holder: str, ttl_s: float,
     now = time.time()
     url = lease_url(tier, run_id, step, lease_id)
     lease = Lease(run_id, step, holder, lease_id, now, now + ttl_s, url)
-    tier.write_bytes(url, (json.dumps({"run_id": run_id, "step": step, "holder": holder,
-                                       "acquired_at": now, "expires_at": now + ttl_s}) + "\n").encode())
+    tier.write_bytes(
+        url,
+        (
+            json.dumps(
+                {"run_id": run_id, "step": step, "holder": holder, "acquired_at": now, "expires_at": now + ttl_s}
+            )
+            + "\n"
+        ).encode(),
+    )
     return lease
 
 
@@ -78,8 +82,9 @@ def release_lease(tier: Tier, lease: Lease) -> None:
 
 
 @contextmanager
-def acquire_lease(tier: Tier, run_id: str, step: int, holder: str | None = None,
-                  ttl_s: float = 3600.0) -> Iterator[Lease]:
+def acquire_lease(
+    tier: Tier, run_id: str, step: int, holder: str | None = None, ttl_s: float = 3600.0
+) -> Iterator[Lease]:
     """Hold a lease on ``run_id``/``step`` of ``tier`` for the ``with`` block.
 
     ``holder`` is free text for reports (default: host and pid). Release failures are
@@ -94,8 +99,12 @@ def acquire_lease(tier: Tier, run_id: str, step: int, holder: str | None = None,
         try:
             release_lease(tier, lease)
         except OSError as e:
-            log.warning("could not release lease %s (%s); it expires at %s", lease.url,
-                        type(e).__name__, time.strftime("%FT%TZ", time.gmtime(lease.expires_at)))
+            log.warning(
+                "could not release lease %s (%s); it expires at %s",
+                lease.url,
+                type(e).__name__,
+                time.strftime("%FT%TZ", time.gmtime(lease.expires_at)),
+            )
 
 
 def active_leases(tier: Tier, run_id: str, *, now: float | None = None) -> list[Lease]:
@@ -115,11 +124,11 @@ def active_leases(tier: Tier, run_id: str, *, now: float | None = None) -> list[
             if raw is None:  # released while we listed
                 continue
             d = json.loads(raw)
-            lease = Lease(run_id, step, str(d.get("holder", "")), lease_id,
-                          float(d["acquired_at"]), float(d["expires_at"]), url)
+            lease = Lease(
+                run_id, step, str(d.get("holder", "")), lease_id, float(d["acquired_at"]), float(d["expires_at"]), url
+            )
         except (ValueError, KeyError, TypeError) as e:
-            log.warning("lease %s is unreadable (%s); treating it as active until it is removed",
-                        url, type(e).__name__)
+            log.warning("lease %s is unreadable (%s); treating it as active until it is removed", url, type(e).__name__)
             lease = Lease(run_id, step, "<unreadable>", lease_id, now, now + 3600.0, url)
         if lease.active(now):
             out.append(lease)

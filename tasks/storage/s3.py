@@ -15,9 +15,8 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
-from ckptflow.trainer.errors import StorageError
-
 from ckptflow.tasks.config import TierConfig
+from ckptflow.trainer.errors import StorageError
 
 # Object metadata (x-amz-meta-*) written with every data object, so a re-run can tell
 # from a HEAD, without downloading, that an object is already complete and correct.
@@ -41,7 +40,7 @@ def split_s3_url(url: str) -> tuple[str, str]:
     """``s3://bucket/a/b`` -> ("bucket", "a/b")."""
     if not url.startswith("s3://"):
         raise ValueError(f"not an s3:// URL: {url!r}")
-    bucket, _, key = url[len("s3://"):].partition("/")
+    bucket, _, key = url[len("s3://") :].partition("/")
     return bucket, key.strip("/")
 
 
@@ -55,8 +54,7 @@ class S3Objects:
     @property
     def client(self) -> Any:
         if self._client is None:
-            self._client = _shared_client(self.config.endpoint_url, self.config.region,
-                                          self.config.max_concurrency + 4)
+            self._client = _shared_client(self.config.endpoint_url, self.config.region, self.config.max_concurrency + 4)
         return self._client
 
     def transfer_config(self) -> Any:
@@ -64,8 +62,12 @@ class S3Objects:
         from boto3.s3.transfer import TransferConfig
 
         chunk = self.config.multipart_chunksize_mb * MiB
-        return TransferConfig(multipart_threshold=chunk, multipart_chunksize=chunk,
-                              max_concurrency=self.config.max_concurrency, use_threads=True)
+        return TransferConfig(
+            multipart_threshold=chunk,
+            multipart_chunksize=chunk,
+            max_concurrency=self.config.max_concurrency,
+            use_threads=True,
+        )
 
     def transfer_manager(self) -> Any:
         """One manager per archive/fetch: all files share its pool of ``max_concurrency``."""
@@ -86,8 +88,7 @@ class S3Objects:
             raise storage_error(url, "HEAD", e) from None
         except Exception as e:  # connection errors: botocore raises many types
             raise storage_error(url, "HEAD", e) from None
-        return ObjectInfo(int(r["ContentLength"]), dict(r.get("Metadata") or {}),
-                          r.get("StorageClass") or "STANDARD")
+        return ObjectInfo(int(r["ContentLength"]), dict(r.get("Metadata") or {}), r.get("StorageClass") or "STANDARD")
 
     def upload_args(self, *, metadata: dict[str, str], tags: dict[str, str]) -> dict[str, Any]:
         args: dict[str, Any] = {"Metadata": metadata}
@@ -141,8 +142,11 @@ def _shared_client(endpoint_url: str | None, region: str | None, pool: int) -> A
             from botocore.config import Config
 
             client = boto3.session.Session().client(
-                "s3", endpoint_url=endpoint_url, region_name=region,
-                config=Config(max_pool_connections=pool, retries={"max_attempts": 5, "mode": "standard"}))
+                "s3",
+                endpoint_url=endpoint_url,
+                region_name=region,
+                config=Config(max_pool_connections=pool, retries={"max_attempts": 5, "mode": "standard"}),
+            )
             _CLIENTS[key] = client
         return client
 
@@ -154,5 +158,7 @@ def storage_error(url: str, what: str, e: BaseException) -> StorageError:
     if isinstance(resp, dict):
         code = str(resp.get("Error", {}).get("Code", ""))
     reason = code or type(e).__name__
-    return StorageError(f"{url}: {what} failed ({reason}); check the bucket, the endpoint_url and "
-                        "the AWS credentials chain, then re-run (completed objects are skipped)")
+    return StorageError(
+        f"{url}: {what} failed ({reason}); check the bucket, the endpoint_url and "
+        "the AWS credentials chain, then re-run (completed objects are skipped)"
+    )

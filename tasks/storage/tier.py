@@ -24,16 +24,16 @@ from typing import Any
 
 import fsspec
 
-from ckptflow.trainer import layout
-from ckptflow.trainer.checksum import hash_bytes
-from ckptflow.trainer.errors import CheckpointNotFoundError, ManifestError, StorageError, UnsafePathError
-from ckptflow.trainer.fsutil import fsync_dir, remove_tree, rename_durable, replace_atomic
-from ckptflow.trainer.manifest import MAX_MANIFEST_BYTES, Manifest
-from ckptflow.trainer.verify import resolve_member
-
 from ckptflow.tasks.config import TierConfig
 from ckptflow.tasks.storage.index import TierIndex, identity_index, parse_marker
 from ckptflow.tasks.storage.s3 import S3Objects
+from ckptflow.trainer import layout
+from ckptflow.trainer.atomicity import RENAME, CommitRule, MarkerCommit, RenameCommit
+from ckptflow.trainer.checksum import hash_bytes
+from ckptflow.trainer.errors import CheckpointNotFoundError, ManifestError, StorageError, UnsafePathError
+from ckptflow.trainer.fsutil import remove_tree, replace_atomic
+from ckptflow.trainer.manifest import MAX_MANIFEST_BYTES, Manifest
+from ckptflow.trainer.verify import resolve_member
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,6 @@ def _io_errors() -> tuple[type[BaseException], ...]:
 
 _IO_ERRORS = _io_errors()
 
-DELETING_SUFFIX = ".deleting"  # a step dir being deleted: never committed, removed by clean_stale
 _MAX_RECORD = 1 << 20  # pins, leases, markers, `latest`: small by construction
 
 
@@ -95,19 +94,22 @@ class Tier:
         self.config = config
         self.name = config.name
         if config.is_local:
-            path = config.url[len("file://"):] if config.url.startswith("file://") else config.url
+            path = config.url[len("file://") :] if config.url.startswith("file://") else config.url
             self.url = os.path.abspath(os.path.expanduser(path))
             self.fs = fs or fsspec.filesystem("file")
         else:
             self.url = config.url.rstrip("/")
             self.fs = fs or _object_fs(config)
         self.s3 = S3Objects(config) if config.is_s3 else None
+        self.rule: CommitRule = RENAME if config.is_local else MarkerCommit(self.fs)
+        """How a checkpoint is committed here, and what "committed" means (``trainer.atomicity``)."""
 
     def __repr__(self) -> str:
         return f"Tier({self.name!r}, {self.url!r}, codec={self.config.codec!r})"
 
     @property
-    def commits_by_rename(self) -> bool:
+    def is_local(self) -> bool:
+        """A local or shared file system: paths are OS paths, files can be fsynced, symlinks exist."""
         return self.config.is_local
 
     @property
@@ -126,14 +128,16 @@ class Tier:
         return url
 
     def tmp_url(self, run_id: str, step: int) -> str:
-        return layout.join(layout.run_dir(self.url, run_id), layout.tmp_name(step))
+        """Where a checkpoint is staged before its commit (``step_N.tmp`` or ``step_N`` itself)."""
+        return self.rule.staging_url(layout.run_dir(self.url, run_id), step)
 
     def check_inside(self, url: str, run_id: str) -> str:
         """Refuse a URL that is not strictly inside this tier's run (defence for deletes)."""
         run = layout.run_dir(self.url, run_id) + "/"
-        if not url.startswith(run) or ".." in url[len(run):].split("/"):
-            raise UnsafePathError(f"{url} is outside run {run_id} of tier {self.name} ({run}); "
-                                  "refusing to touch it", path=url)
+        if not url.startswith(run) or ".." in url[len(run) :].split("/"):
+            raise UnsafePathError(
+                f"{url} is outside run {run_id} of tier {self.name} ({run}); refusing to touch it", path=url
+            )
         return url
 
     # ---- listing ----------------------------------------------------------------
@@ -150,25 +154,24 @@ class Tier:
         return sorted(out)
 
     def committed_steps(self, run_id: str) -> list[int]:
-        """Committed steps, newest first: a step dir with its manifest (rename tiers) or with
-        the commit marker (object stores; objects without a marker are never listed)."""
-        proof = layout.MANIFEST if self.commits_by_rename else layout.COMMIT_MARKER
-        pattern = layout.join(layout.run_dir(self.url, run_id), layout.STEP_PREFIX + "*", proof)
+        """Committed steps, newest first, by this tier's commit rule: a ``step_N`` dir (file
+        systems) or a step with its marker (object stores: objects alone are never listed)."""
+        run = layout.run_dir(self.url, run_id)
         try:
-            hits = self.fs.glob(pattern)
-        except FileNotFoundError:
-            return []
-        steps = {s for h in hits if (s := layout.parse_step(h.rstrip("/").rsplit("/", 2)[-2])) is not None}
-        return sorted(steps, reverse=True)
+            return self.rule.committed_steps(run)
+        except _IO_ERRORS as e:
+            raise _wrap(run, "list", e) from None
 
     def is_committed(self, run_id: str, step: int) -> bool:
-        proof = layout.MANIFEST if self.commits_by_rename else layout.COMMIT_MARKER
-        return self.exists(layout.join(self.url_for(run_id, step), proof))
+        run = layout.run_dir(self.url, run_id)
+        try:
+            return self.rule.is_committed(run, step)
+        except _IO_ERRORS as e:
+            raise _wrap(layout.join(run, layout.step_name(step)), "exists", e) from None
 
     def latest_step(self, run_id: str) -> int | None:
         """The step ``latest`` names on this tier (the trainer writes it on hot), or None."""
-        data = self.read_bytes(layout.join(layout.run_dir(self.url, run_id), layout.LATEST),
-                               limit=64, missing_ok=True)
+        data = self.read_bytes(layout.join(layout.run_dir(self.url, run_id), layout.LATEST), limit=64, missing_ok=True)
         try:
             return layout.parse_step(data.decode().strip()) if data else None
         except UnicodeDecodeError:
@@ -193,42 +196,53 @@ class Tier:
         """
         uri = self.url_for(run_id, step)
         index_bytes = None
-        if not self.commits_by_rename:
+        if self.rule.kind == "marker":
             marker_url = layout.join(uri, layout.COMMIT_MARKER)
             marker = self.read_bytes(marker_url, limit=_MAX_RECORD, missing_ok=True)
             if marker is None:
                 raise CheckpointNotFoundError(
                     f"{uri}: no commit marker ({layout.COMMIT_MARKER}); the upload never completed. "
-                    f"Run archive for {run_id} step {step} again")
+                    f"Run archive for {run_id} step {step} again"
+                )
             want = parse_marker(marker, source=marker_url)
             index_bytes = self._read_required(layout.join(uri, layout.TIER_MANIFEST), MAX_MANIFEST_BYTES)
             if hash_bytes(index_bytes) != want:
-                raise ManifestError(f"{uri}/{layout.TIER_MANIFEST}: digest differs from the one in "
-                                    f"{layout.COMMIT_MARKER}; the index was replaced or damaged, "
-                                    "restore from another tier", path=f"{uri}/{layout.TIER_MANIFEST}")
+                raise ManifestError(
+                    f"{uri}/{layout.TIER_MANIFEST}: digest differs from the one in "
+                    f"{layout.COMMIT_MARKER}; the index was replaced or damaged, "
+                    "restore from another tier",
+                    path=f"{uri}/{layout.TIER_MANIFEST}",
+                )
         manifest_url = layout.join(uri, layout.MANIFEST)
         manifest_bytes = self.read_bytes(manifest_url, limit=MAX_MANIFEST_BYTES + 1, missing_ok=True)
         if manifest_bytes is None:
-            if self.commits_by_rename:
-                raise CheckpointNotFoundError(f"{uri}: no {layout.MANIFEST}; not a committed checkpoint")
-            raise ManifestError(f"{manifest_url}: missing although the checkpoint is marked "
-                                "committed; restore from another tier", path=manifest_url)
+            if self.rule.kind == "rename" and not self.is_committed(run_id, step):
+                raise CheckpointNotFoundError(f"{uri}: no such checkpoint (not committed on tier {self.name})")
+            raise ManifestError(
+                f"{manifest_url}: missing although the checkpoint is marked committed; restore from another tier",
+                path=manifest_url,
+            )
         manifest = Manifest.from_json(manifest_bytes, source=manifest_url)
         if (manifest.run_id, manifest.step) != (run_id, step):
-            raise ManifestError(f"{manifest_url}: manifest is for {manifest.run_id} step "
-                                f"{manifest.step}, not {run_id} step {step}; it was moved or "
-                                "edited, do not use it", path=manifest_url)
-        if index_bytes is None and self.commits_by_rename:
-            index_bytes = self.read_bytes(layout.join(uri, layout.TIER_MANIFEST),
-                                          limit=MAX_MANIFEST_BYTES, missing_ok=True)
+            raise ManifestError(
+                f"{manifest_url}: manifest is for {manifest.run_id} step "
+                f"{manifest.step}, not {run_id} step {step}; it was moved or "
+                "edited, do not use it",
+                path=manifest_url,
+            )
+        if index_bytes is None and self.rule.kind == "rename":
+            index_bytes = self.read_bytes(
+                layout.join(uri, layout.TIER_MANIFEST), limit=MAX_MANIFEST_BYTES, missing_ok=True
+            )
         if index_bytes is None:
             index, has_index = identity_index(manifest, manifest_bytes), False
         else:
             source = layout.join(uri, layout.TIER_MANIFEST)
             index, has_index = TierIndex.from_json(index_bytes, source=source), True
             index.check_against(manifest, manifest_bytes, source)
-        return StoredCheckpoint(self.name, uri, run_id, step, manifest, manifest_bytes, index, has_index,
-                                local=self.commits_by_rename)
+        return StoredCheckpoint(
+            self.name, uri, run_id, step, manifest, manifest_bytes, index, has_index, local=self.is_local
+        )
 
     def read_manifest(self, run_id: str, step: int) -> Manifest:
         """The authenticated trainer manifest of a committed checkpoint on this tier."""
@@ -264,14 +278,15 @@ class Tier:
     def _read_required(self, url: str, limit: int) -> bytes:
         data = self.read_bytes(url, limit=limit, missing_ok=True)
         if data is None:
-            raise ManifestError(f"{url}: missing although the checkpoint is marked committed; "
-                                "restore from another tier", path=url)
+            raise ManifestError(
+                f"{url}: missing although the checkpoint is marked committed; restore from another tier", path=url
+            )
         return data
 
     def write_bytes(self, url: str, data: bytes) -> None:
         """Write a small record: atomically and durably on local tiers, one PUT on stores."""
         try:
-            if self.commits_by_rename:
+            if self.is_local:
                 os.makedirs(os.path.dirname(url), exist_ok=True)
                 replace_atomic(url, data)
             else:
@@ -326,16 +341,15 @@ class Tier:
         only refuses paths outside the tier's run.
         """
         uri = self.check_inside(self.url_for(run_id, step), run_id)
-        if self.commits_by_rename:
-            if not os.path.isdir(uri):
-                return
-            doomed = uri + DELETING_SUFFIX
-            if os.path.exists(doomed):  # an earlier delete crashed after its rename
-                remove_tree(doomed)
-            rename_durable(uri, doomed)
-            remove_tree(doomed)
+        try:
+            left = self.rule.withdraw(layout.run_dir(self.url, run_id), step)  # no longer committed
+        except _IO_ERRORS as e:
+            raise _wrap(uri, "delete", e) from None
+        if left is None:
             return
-        self.remove(layout.join(uri, layout.COMMIT_MARKER))
+        if self.is_local:
+            remove_tree(left)
+            return
         try:
             keys = [k for k in self.fs.find(uri) if k]
         except FileNotFoundError:
@@ -353,14 +367,13 @@ class Tier:
     def clean_stale(self, run_id: str, *, older_than_s: float = 3600.0) -> list[str]:
         """Remove ``step_N.tmp`` and ``step_N.deleting`` dirs older than ``older_than_s``
         (rename tiers; a crashed promote or prune). Young ones may still be in use."""
-        if not self.commits_by_rename:
+        if self.rule.kind != "rename":
             return []
         run = layout.run_dir(self.url, run_id)
         removed = []
         now = time.time()
         for name in self.ls_names(run):
-            stale = layout.parse_tmp_step(name) is not None or (
-                name.endswith(DELETING_SUFFIX) and layout.parse_step(name[:-len(DELETING_SUFFIX)]) is not None)
+            stale = RenameCommit.is_leftover(name)
             path = os.path.join(run, name)
             try:
                 if stale and now - os.stat(path).st_mtime > older_than_s:
@@ -370,10 +383,14 @@ class Tier:
                 log.warning("could not remove stale %s: %s", path, e)
         return removed
 
-    def commit_rename(self, tmp: str, final: str) -> None:
-        """The commit point of a rename tier: fsync the tmp dir's entries, then rename."""
-        fsync_dir(tmp)
-        rename_durable(tmp, final)
+    def commit(self, run_id: str, step: int, *, marker: bytes = b"") -> str:
+        """The commit point of this tier's rule: rename the staging dir, or write the marker.
+        Everything staged must be durable (file systems) or uploaded (object stores) already."""
+        run = layout.run_dir(self.url, run_id)
+        try:
+            return self.rule.commit(run, step, marker=marker)
+        except _IO_ERRORS as e:
+            raise _wrap(layout.join(run, layout.step_name(step)), "commit", e) from None
 
 
 def _object_fs(config: TierConfig) -> fsspec.AbstractFileSystem:
@@ -393,5 +410,6 @@ def _object_fs(config: TierConfig) -> fsspec.AbstractFileSystem:
 
 
 def _wrap(url: str, what: str, e: BaseException) -> StorageError:
-    return StorageError(f"{url}: {what} failed ({type(e).__name__}: {e}); check that the tier is "
-                        "reachable and writable, then re-run")
+    return StorageError(
+        f"{url}: {what} failed ({type(e).__name__}: {e}); check that the tier is reachable and writable, then re-run"
+    )

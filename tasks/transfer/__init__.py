@@ -18,6 +18,15 @@ from ckptflow.tasks.transfer._restore import restore
 from ckptflow.tasks.transfer.results import FaultHook, FetchResult, RestoreResult, Skipped, TransferResult
 
 __all__ = [
-    "FaultHook", "FetchResult", "RestoreResult", "Skipped", "TransferResult", "archive",
-    "compress", "fetch", "progress_total", "promote", "restore",
+    "FaultHook",
+    "FetchResult",
+    "RestoreResult",
+    "Skipped",
+    "TransferResult",
+    "archive",
+    "compress",
+    "fetch",
+    "progress_total",
+    "promote",
+    "restore",
 ]

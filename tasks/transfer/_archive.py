@@ -27,17 +27,15 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from ckptflow.trainer import layout
-from ckptflow.trainer.checksum import hash_bytes, hash_file
-from ckptflow.trainer.errors import ConfigError, IntegrityError, ManifestError, StorageError
-
 from ckptflow.tasks.storage.index import StoredFile, TierIndex, marker_json
-from ckptflow.tasks.storage.s3 import (META_CODEC, META_LEVEL, META_RAW, META_RAW_SIZE, META_STORED,
-                              ObjectInfo)
+from ckptflow.tasks.storage.s3 import META_CODEC, META_LEVEL, META_RAW, META_RAW_SIZE, META_STORED, ObjectInfo
 from ckptflow.tasks.storage.tier import StoredCheckpoint, Tier
 from ckptflow.tasks.transfer import _streams as streams
 from ckptflow.tasks.transfer._pool import run_all
 from ckptflow.tasks.transfer.results import FaultHook, TransferResult, no_fault
+from ckptflow.trainer import layout
+from ckptflow.trainer.checksum import hash_bytes, hash_file
+from ckptflow.trainer.errors import ConfigError, IntegrityError, ManifestError, StorageError
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +49,16 @@ class _Plan:
     """The source stores the cold codec already: upload its stored bytes unchanged."""
 
 
-def archive(src: Tier, cold: Tier, run_id: str, step: int, *, threads: int | None = None,
-            spool_dir: str | None = None, fault: FaultHook | None = None) -> TransferResult:
+def archive(
+    src: Tier,
+    cold: Tier,
+    run_id: str,
+    step: int,
+    *,
+    threads: int | None = None,
+    spool_dir: str | None = None,
+    fault: FaultHook | None = None,
+) -> TransferResult:
     """Upload ``run_id``/``step`` from ``src`` to the S3 tier ``cold`` and commit it with a marker.
 
     ``threads`` bounds files prepared at once (default: up to 4); parts of all files share
@@ -62,12 +68,13 @@ def archive(src: Tier, cold: Tier, run_id: str, step: int, *, threads: int | Non
     t0 = time.perf_counter()
     fault = fault or no_fault
     if cold.s3 is None:
-        raise ConfigError(f"tier {cold.name} ({cold.url}) is not an s3:// tier; archive needs S3 "
-                          "(storage class, multipart, object metadata)")
+        raise ConfigError(
+            f"tier {cold.name} ({cold.url}) is not an s3:// tier; archive needs S3 "
+            "(storage class, multipart, object metadata)"
+        )
     ckpt = src.open_checkpoint(run_id, step)
     uri = cold.url_for(run_id, step)
-    res = TransferResult(uri=uri, run_id=run_id, step=step, codec=cold.codec,
-                         bytes_raw=ckpt.manifest.total_bytes)
+    res = TransferResult(uri=uri, run_id=run_id, step=step, codec=cold.codec, bytes_raw=ckpt.manifest.total_bytes)
     plans = _plan(ckpt, cold, uri)
     if cold.is_committed(run_id, step):
         done = _check_committed(cold, ckpt, uri)
@@ -79,7 +86,7 @@ def archive(src: Tier, cold: Tier, run_id: str, step: int, *, threads: int | Non
     te = time.perf_counter()
     workers = max(1, min(threads or 4, len(plans)))
     nhead = min(16, cold.config.max_concurrency)
-    heads = dict(zip([p.name for p in plans], run_all(lambda p: cold.s3.head(p.url), plans, nhead)))
+    heads = dict(zip([p.name for p in plans], run_all(lambda p: cold.s3.head(p.url), plans, nhead), strict=True))
     files: dict[str, StoredFile] = {}
     todo = []
     for p in plans:
@@ -93,12 +100,13 @@ def archive(src: Tier, cold: Tier, run_id: str, step: int, *, threads: int | Non
     spool = tempfile.mkdtemp(prefix="ckptflow-archive-", dir=spool_dir)
     manager = cold.s3.transfer_manager()
     try:
-        uploaded = run_all(lambda p: _upload(src, cold, ckpt, p, manager, spool, maps.get(p.name), fault),
-                           todo, workers)
+        uploaded = run_all(
+            lambda p: _upload(src, cold, ckpt, p, manager, spool, maps.get(p.name), fault), todo, workers
+        )
     finally:
         manager.shutdown()
         shutil.rmtree(spool, ignore_errors=True)
-    for p, f in zip(todo, uploaded):
+    for p, f in zip(todo, uploaded, strict=True):
         files[p.name] = f
         res.files += 1
         res.bytes_moved += f.stored_size
@@ -107,27 +115,42 @@ def archive(src: Tier, cold: Tier, run_id: str, step: int, *, threads: int | Non
     # 2. every object present with the right size and digests, before anything vouches for it
     tv = time.perf_counter()
     after = run_all(lambda p: cold.s3.head(p.url), plans, nhead)
-    for p, info in zip(plans, after):
+    for p, info in zip(plans, after, strict=True):
         if _matching(info, ckpt, p, cold.codec) != files[p.name]:
-            raise StorageError(f"{p.url}: missing or different right after the upload (deleted "
-                               "concurrently?); not committing — re-run archive")
+            raise StorageError(
+                f"{p.url}: missing or different right after the upload (deleted "
+                "concurrently?); not committing — re-run archive"
+            )
     res.verify_seconds = time.perf_counter() - tv
 
     # 3-5. index, manifest, marker last
     fault("archive:before_index")
     level = ckpt.index.level if ckpt.index.codec == cold.codec else cold.config.level
-    index = TierIndex(run_id=run_id, step=step, codec=cold.codec, level=level,
-                      manifest_checksum=hash_bytes(ckpt.manifest_bytes), files=files)
+    index = TierIndex(
+        run_id=run_id,
+        step=step,
+        codec=cold.codec,
+        level=level,
+        manifest_checksum=hash_bytes(ckpt.manifest_bytes),
+        files=files,
+    )
     index_bytes = index.to_json()
     cold.write_bytes(layout.join(uri, layout.TIER_MANIFEST), index_bytes)
     cold.write_bytes(layout.join(uri, layout.MANIFEST), ckpt.manifest_bytes)
     fault("archive:before_marker")
-    cold.write_bytes(layout.join(uri, layout.COMMIT_MARKER), marker_json(index_bytes))
+    cold.commit(run_id, step, marker=marker_json(index_bytes))  # <- the commit point
     fault("archive:committed")
     res.bytes_stored = index.total_stored_bytes
     res.seconds = time.perf_counter() - t0
-    log.info("archived %s -> %s (%d uploaded, %d already there, %.1f MB stored, %.2f s)",
-             ckpt.uri, uri, res.files, res.skipped_files, res.bytes_stored / 1e6, res.seconds)
+    log.info(
+        "archived %s -> %s (%d uploaded, %d already there, %.1f MB stored, %.2f s)",
+        ckpt.uri,
+        uri,
+        res.files,
+        res.skipped_files,
+        res.bytes_stored / 1e6,
+        res.seconds,
+    )
     return res
 
 
@@ -146,8 +169,12 @@ def _matching(info: ObjectInfo | None, ckpt: StoredCheckpoint, p: _Plan, codec: 
         return None
     entry = ckpt.manifest.files[p.name]
     m = info.metadata
-    if (m.get(META_RAW) != entry.checksum or m.get(META_RAW_SIZE) != str(entry.size)
-            or m.get(META_CODEC) != codec or not m.get(META_STORED)):
+    if (
+        m.get(META_RAW) != entry.checksum
+        or m.get(META_RAW_SIZE) != str(entry.size)
+        or m.get(META_CODEC) != codec
+        or not m.get(META_STORED)
+    ):
         return None
     if p.as_is:  # stored bytes are the source's: size and digest must be those
         src = ckpt.index.files[p.name]
@@ -156,29 +183,47 @@ def _matching(info: ObjectInfo | None, ckpt: StoredCheckpoint, p: _Plan, codec: 
     return StoredFile(entry.size, entry.checksum, p.stored_name, info.size, m[META_STORED])
 
 
-def _upload(src: Tier, cold: Tier, ckpt: StoredCheckpoint, p: _Plan, manager: object, spool: str,
-            dtype_map: object, fault: FaultHook) -> StoredFile:
+def _upload(
+    src: Tier,
+    cold: Tier,
+    ckpt: StoredCheckpoint,
+    p: _Plan,
+    manager: object,
+    spool: str,
+    dtype_map: object,
+    fault: FaultHook,
+) -> StoredFile:
     entry = ckpt.index.files[p.name]
     cfg = cold.config
-    if p.as_is and src.commits_by_rename:
+    if p.as_is and src.is_local:
         # Upload the source file itself; digest it first so a damaged source is never
         # archived under a digest it does not have.
         path = ckpt.object_url(p.name)
         digest, n = hash_file(path)
         if (n, digest) != (entry.stored_size, entry.stored_checksum):
-            raise IntegrityError(f"{path}: {n} B xxh3 {digest}, but the tier index says "
-                                 f"{entry.stored_size} B {entry.stored_checksum}; not archiving a "
-                                 "damaged source — archive from another tier", path=path)
+            raise IntegrityError(
+                f"{path}: {n} B xxh3 {digest}, but the tier index says "
+                f"{entry.stored_size} B {entry.stored_checksum}; not archiving a "
+                "damaged source — archive from another tier",
+                path=path,
+            )
         out = StoredFile(entry.size, entry.checksum, p.stored_name, n, digest)
         _put(cold, ckpt, manager, path, p, out, level=ckpt.index.level)
     else:
         fd, path = tempfile.mkstemp(dir=spool, suffix=".spool")
         try:
             with os.fdopen(fd, "wb") as f:
-                st = streams.encode_file(src, ckpt, p.name, f, codec=cold.codec, level=cfg.level,
-                                         threads=cfg.codec_threads, dtype_map=dtype_map)
-            out = StoredFile(st.raw_bytes, st.raw_checksum, p.stored_name, st.stored_bytes,
-                             st.stored_checksum)
+                st = streams.encode_file(
+                    src,
+                    ckpt,
+                    p.name,
+                    f,
+                    codec=cold.codec,
+                    level=cfg.level,
+                    threads=cfg.codec_threads,
+                    dtype_map=dtype_map,
+                )
+            out = StoredFile(st.raw_bytes, st.raw_checksum, p.stored_name, st.stored_bytes, st.stored_checksum)
             level = ckpt.index.level if p.as_is else cfg.level
             _put(cold, ckpt, manager, path, p, out, level=level)
         finally:
@@ -187,10 +232,16 @@ def _upload(src: Tier, cold: Tier, ckpt: StoredCheckpoint, p: _Plan, manager: ob
     return out
 
 
-def _put(cold: Tier, ckpt: StoredCheckpoint, manager: object, path: str, p: _Plan, f: StoredFile,
-         *, level: int | None) -> None:
-    meta = {META_RAW: f.checksum, META_RAW_SIZE: str(f.size), META_STORED: f.stored_checksum,
-            META_CODEC: cold.codec, META_LEVEL: "" if level is None else str(level)}
+def _put(
+    cold: Tier, ckpt: StoredCheckpoint, manager: object, path: str, p: _Plan, f: StoredFile, *, level: int | None
+) -> None:
+    meta = {
+        META_RAW: f.checksum,
+        META_RAW_SIZE: str(f.size),
+        META_STORED: f.stored_checksum,
+        META_CODEC: cold.codec,
+        META_LEVEL: "" if level is None else str(level),
+    }
     tags = {"ckptflow-run": ckpt.run_id, "ckptflow-step": str(ckpt.step)}
     cold.s3.upload(manager, path, p.url, cold.s3.upload_args(metadata=meta, tags=tags))
 
@@ -202,21 +253,36 @@ def _check_committed(cold: Tier, ckpt: StoredCheckpoint, uri: str) -> TransferRe
     except IntegrityError as e:
         # The marker vouches for a damaged index: withdraw it, then archive again (objects
         # that are still right are skipped by their metadata).
-        log.warning("%s is marked committed but damaged (%s); withdrawing the marker and "
-                    "archiving again", uri, e)
-        cold.remove(layout.join(uri, layout.COMMIT_MARKER))
+        log.warning("%s is marked committed but damaged (%s); withdrawing the marker and archiving again", uri, e)
+        cold.rule.withdraw(layout.run_dir(cold.url, ckpt.run_id), ckpt.step)
         return None
     if hash_bytes(there.manifest_bytes) != hash_bytes(ckpt.manifest_bytes):
-        raise ManifestError(f"{there.uri}: already archived with a different manifest than "
-                            f"{ckpt.uri}; an archived checkpoint is never replaced — delete it on "
-                            "purpose (prune) if the source is the one to keep", path=there.uri)
-    missing = [n for n, f in there.index.files.items()
-               if (info := cold.s3.head(there.object_url(n))) is None or info.size != f.stored_size]
+        raise ManifestError(
+            f"{there.uri}: already archived with a different manifest than "
+            f"{ckpt.uri}; an archived checkpoint is never replaced — delete it on "
+            "purpose (prune) if the source is the one to keep",
+            path=there.uri,
+        )
+    missing = [
+        n
+        for n, f in there.index.files.items()
+        if (info := cold.s3.head(there.object_url(n))) is None or info.size != f.stored_size
+    ]
     if missing:
-        log.warning("%s is committed but %s are missing or truncated; withdrawing the marker and "
-                    "uploading them again", there.uri, missing)
-        cold.remove(layout.join(there.uri, layout.COMMIT_MARKER))
+        log.warning(
+            "%s is committed but %s are missing or truncated; withdrawing the marker and uploading them again",
+            there.uri,
+            missing,
+        )
+        cold.rule.withdraw(layout.run_dir(cold.url, ckpt.run_id), ckpt.step)
         return None
-    return TransferResult(uri=there.uri, run_id=ckpt.run_id, step=ckpt.step, codec=there.index.codec,
-                          skipped_files=len(there.index.files), bytes_raw=there.index.total_raw_bytes,
-                          bytes_stored=there.index.total_stored_bytes, already_committed=True)
+    return TransferResult(
+        uri=there.uri,
+        run_id=ckpt.run_id,
+        step=ckpt.step,
+        codec=there.index.codec,
+        skipped_files=len(there.index.files),
+        bytes_raw=there.index.total_raw_bytes,
+        bytes_stored=there.index.total_stored_bytes,
+        already_committed=True,
+    )

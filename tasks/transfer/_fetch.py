@@ -25,16 +25,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ckptflow.trainer import layout
-from ckptflow.trainer.checksum import hash_file
-from ckptflow.trainer.errors import CodecError, ConfigError, IntegrityError
-
 from ckptflow.tasks.codec import get_codec
 from ckptflow.tasks.storage.index import StoredFile, TierIndex
 from ckptflow.tasks.storage.tier import StoredCheckpoint, Tier
 from ckptflow.tasks.transfer import _streams as streams
 from ckptflow.tasks.transfer._pool import run_all
 from ckptflow.tasks.transfer.results import FetchResult
+from ckptflow.trainer import layout
+from ckptflow.trainer.checksum import hash_file
+from ckptflow.trainer.errors import CodecError, ConfigError, IntegrityError
 
 Progress = Callable[[int], None]
 """Called with a number of bytes just processed (from worker threads: it must be thread-safe;
@@ -49,12 +48,13 @@ def progress_total(tier: Tier, index: TierIndex) -> int:
     compressed local tier decodes only (no download phase): ``total_raw_bytes``; a
     compressed object store does both: stored + raw."""
     raw = index.codec == "none"
-    downloads = raw or not tier.commits_by_rename
+    downloads = raw or not tier.is_local
     return (index.total_stored_bytes if downloads and not raw else 0) + index.total_raw_bytes
 
 
-def fetch(tier: Tier, run_id: str, step: int, dst_dir: str, *, threads: int | None = None,
-          progress: Progress | None = None) -> FetchResult:
+def fetch(
+    tier: Tier, run_id: str, step: int, dst_dir: str, *, threads: int | None = None, progress: Progress | None = None
+) -> FetchResult:
     """Download and decode ``run_id``/``step`` from ``tier`` into ``dst_dir`` (absent or empty).
 
     Raises CheckpointNotFoundError if the step is not committed there, IntegrityError
@@ -66,17 +66,24 @@ def fetch(tier: Tier, run_id: str, step: int, dst_dir: str, *, threads: int | No
     ckpt = tier.open_checkpoint(run_id, step)
     dst_dir = os.path.abspath(dst_dir)
     if os.path.exists(dst_dir) and (not os.path.isdir(dst_dir) or os.listdir(dst_dir)):
-        raise ConfigError(f"fetch destination {dst_dir} exists and is not an empty directory; "
-                          "give a new or empty one")
+        raise ConfigError(f"fetch destination {dst_dir} exists and is not an empty directory; give a new or empty one")
     parent, base = os.path.split(dst_dir)
     os.makedirs(parent, exist_ok=True)
     part = tempfile.mkdtemp(prefix=f".{base}.part-", dir=parent)
     # Compressed objects land in a sibling dir, never inside `part`: no stored name can
     # then collide with (or delete) a member of the checkpoint.
     stored = tempfile.mkdtemp(prefix=f".{base}.stored-", dir=parent)
-    res = FetchResult(uri=ckpt.uri, tier=tier.name, run_id=run_id, step=step, dst_dir=dst_dir,
-                      files=len(ckpt.index.files), bytes_raw=ckpt.index.total_raw_bytes,
-                      bytes_stored=ckpt.index.total_stored_bytes, codec=ckpt.index.codec)
+    res = FetchResult(
+        uri=ckpt.uri,
+        tier=tier.name,
+        run_id=run_id,
+        step=step,
+        dst_dir=dst_dir,
+        files=len(ckpt.index.files),
+        bytes_raw=ckpt.index.total_raw_bytes,
+        bytes_stored=ckpt.index.total_stored_bytes,
+        codec=ckpt.index.codec,
+    )
     items = sorted(ckpt.index.files.items())
     workers = max(1, min(threads or 4, len(items)))
     try:
@@ -86,8 +93,7 @@ def fetch(tier: Tier, run_id: str, step: int, dst_dir: str, *, threads: int | No
         tz = time.perf_counter()
         if ckpt.index.codec != "none":
             codec_threads = tier.config.codec_threads
-            run_all(lambda it: _decode(ckpt, it[0], local[it[0]], part, codec_threads, progress),
-                    items, workers)
+            run_all(lambda it: _decode(ckpt, it[0], local[it[0]], part, codec_threads, progress), items, workers)
         res.decompress_seconds = time.perf_counter() - tz
         with open(os.path.join(part, layout.MANIFEST), "wb") as f:
             f.write(ckpt.manifest_bytes)
@@ -103,13 +109,20 @@ def fetch(tier: Tier, run_id: str, step: int, dst_dir: str, *, threads: int | No
     return res
 
 
-def _download(tier: Tier, ckpt: StoredCheckpoint, items: list[tuple[str, StoredFile]], part: str,
-              stored: str, workers: int, progress: Progress | None = None) -> dict[str, str]:
+def _download(
+    tier: Tier,
+    ckpt: StoredCheckpoint,
+    items: list[tuple[str, StoredFile]],
+    part: str,
+    stored: str,
+    workers: int,
+    progress: Progress | None = None,
+) -> dict[str, str]:
     """Phase 1. Returns, per file, the local path of its stored bytes (checked)."""
     raw = ckpt.index.codec == "none"
-    if tier.commits_by_rename and not raw:
+    if tier.is_local and not raw:
         return {n: ckpt.object_url(n) for n, _ in items}  # decoded straight from the tier
-    manager = tier.s3.transfer_manager() if (tier.s3 and not tier.commits_by_rename) else None
+    manager = tier.s3.transfer_manager() if (tier.s3 and not tier.is_local) else None
     loader = manager if manager is None or progress is None else _ReportingManager(manager, progress)
 
     def one(item: tuple[str, StoredFile]) -> tuple[str, str]:
@@ -118,7 +131,7 @@ def _download(tier: Tier, ckpt: StoredCheckpoint, items: list[tuple[str, StoredF
         dest = _inside(part, name) if raw else _inside(stored, f.stored_name)
         os.makedirs(os.path.dirname(dest), exist_ok=True)
         try:
-            if tier.commits_by_rename:
+            if tier.is_local:
                 if progress is None:
                     shutil.copyfile(url, dest)
                 else:
@@ -130,17 +143,21 @@ def _download(tier: Tier, ckpt: StoredCheckpoint, items: list[tuple[str, StoredF
                 if progress is not None:
                     progress(f.stored_size)
         except FileNotFoundError:
-            raise IntegrityError(f"{url}: missing although {ckpt.uri} is committed; restore from "
-                                 "another tier or an older checkpoint", path=url) from None
+            raise IntegrityError(
+                f"{url}: missing although {ckpt.uri} is committed; restore from another tier or an older checkpoint",
+                path=url,
+            ) from None
         # codec "none": what is stored is the file itself, so it answers to the manifest
         want = ckpt.manifest.files[name] if raw else None
         size, digest = (want.size, want.checksum) if want else (f.stored_size, f.stored_checksum)
         got, n = hash_file(dest)
         if (n, got) != (size, digest):
-            raise IntegrityError(f"{url}: {n} B xxh3 {got}, expected {size} B {digest} "
-                                 f"({'manifest' if raw else 'tier.json'}); the stored object is "
-                                 "damaged — restore from another tier or an older checkpoint",
-                                 path=url)
+            raise IntegrityError(
+                f"{url}: {n} B xxh3 {got}, expected {size} B {digest} "
+                f"({'manifest' if raw else 'tier.json'}); the stored object is "
+                "damaged — restore from another tier or an older checkpoint",
+                path=url,
+            )
         return name, dest
 
     try:
@@ -150,8 +167,9 @@ def _download(tier: Tier, ckpt: StoredCheckpoint, items: list[tuple[str, StoredF
             manager.shutdown()
 
 
-def _decode(ckpt: StoredCheckpoint, name: str, src_path: str, part: str, threads: int | None,
-            progress: Progress | None = None) -> None:
+def _decode(
+    ckpt: StoredCheckpoint, name: str, src_path: str, part: str, threads: int | None, progress: Progress | None = None
+) -> None:
     """Phase 2: one stored file to its raw name; raw digest must equal the manifest's."""
     url = ckpt.object_url(name)
     dest = _inside(part, name)
@@ -162,8 +180,10 @@ def _decode(ckpt: StoredCheckpoint, name: str, src_path: str, part: str, threads
             sink: Any = out if progress is None else _ReportingWriter(out, progress)
             st = get_codec(ckpt.index.codec).decompress(f, sink, threads=threads, name=url)
     except FileNotFoundError:
-        raise IntegrityError(f"{url}: missing although {ckpt.uri} is committed; restore from "
-                             "another tier or an older checkpoint", path=url) from None
+        raise IntegrityError(
+            f"{url}: missing although {ckpt.uri} is committed; restore from another tier or an older checkpoint",
+            path=url,
+        ) from None
     except CodecError as e:
         raise IntegrityError(f"{url}: stored object does not decode ({e})", path=url) from None
     streams.check_raw(st, entry.size, entry.checksum, url, "stored")
@@ -207,8 +227,7 @@ class _ReportingManager:
     def __init__(self, manager: Any, progress: Progress) -> None:
         self._manager, self._progress = manager, progress
 
-    def download(self, bucket: str, key: str, fileobj: Any, extra_args: Any = None,
-                 subscribers: Any = None) -> Any:
+    def download(self, bucket: str, key: str, fileobj: Any, extra_args: Any = None, subscribers: Any = None) -> Any:
         from s3transfer.subscribers import BaseSubscriber
 
         report = self._progress
@@ -217,8 +236,9 @@ class _ReportingManager:
             def on_progress(self, future: Any, bytes_transferred: int, **kwargs: Any) -> None:
                 report(bytes_transferred)
 
-        return self._manager.download(bucket, key, fileobj, extra_args=extra_args,
-                                      subscribers=[*(subscribers or []), _Sub()])
+        return self._manager.download(
+            bucket, key, fileobj, extra_args=extra_args, subscribers=[*(subscribers or []), _Sub()]
+        )
 
     def shutdown(self) -> None:
         self._manager.shutdown()

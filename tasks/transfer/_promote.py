@@ -26,22 +26,22 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from ckptflow.trainer import layout
-from ckptflow.trainer.checksum import hash_bytes
-from ckptflow.trainer.errors import ConfigError, IntegrityError, ManifestError, StorageError
-from ckptflow.trainer.fsutil import fsync_dir, remove_tree, write_durable
-
 from ckptflow.tasks.storage.index import StoredFile, TierIndex
 from ckptflow.tasks.storage.tier import StoredCheckpoint, Tier
 from ckptflow.tasks.transfer import _streams as streams
 from ckptflow.tasks.transfer._pool import run_all
 from ckptflow.tasks.transfer.results import FaultHook, TransferResult, no_fault
+from ckptflow.trainer import layout
+from ckptflow.trainer.checksum import hash_bytes
+from ckptflow.trainer.errors import ConfigError, IntegrityError, ManifestError, StorageError
+from ckptflow.trainer.fsutil import fsync_dir, remove_tree, write_durable
 
 log = logging.getLogger(__name__)
 
 
-def compress(src: Tier, dst: Tier, run_id: str, step: int, *, threads: int | None = None,
-             fault: FaultHook | None = None) -> TransferResult:
+def compress(
+    src: Tier, dst: Tier, run_id: str, step: int, *, threads: int | None = None, fault: FaultHook | None = None
+) -> TransferResult:
     """The compress stage: write ``run_id``/``step`` from ``src`` into ``dst``'s staging dir in
     ``dst``'s stored form (its codec and level), durably, without committing it.
 
@@ -62,8 +62,16 @@ def compress(src: Tier, dst: Tier, run_id: str, step: int, *, threads: int | Non
     return res
 
 
-def promote(src: Tier, dst: Tier, run_id: str, step: int, *, threads: int | None = None,
-            deep_verify: bool = False, fault: FaultHook | None = None) -> TransferResult:
+def promote(
+    src: Tier,
+    dst: Tier,
+    run_id: str,
+    step: int,
+    *,
+    threads: int | None = None,
+    deep_verify: bool = False,
+    fault: FaultHook | None = None,
+) -> TransferResult:
     """Copy ``run_id``/``step`` from ``src`` to the file-system tier ``dst`` and commit it.
 
     Every stored file is re-read after the copy and its digest compared with the index
@@ -99,23 +107,37 @@ def promote(src: Tier, dst: Tier, run_id: str, step: int, *, threads: int | None
         fault("promote:verified")
         write_durable(os.path.join(tmp, layout.MANIFEST), ckpt.manifest_bytes)
         fault("promote:before_commit")
-        dst.commit_rename(tmp, final)
+        dst.commit(run_id, step)
     fault("promote:committed")
     res.seconds = time.perf_counter() - t0
-    log.info("promoted %s -> %s (%d files, %.1f MB raw, %.1f MB stored, %.2f s)", ckpt.uri, final,
-             len(index.files), res.bytes_raw / 1e6, res.bytes_stored / 1e6, res.seconds)
+    log.info(
+        "promoted %s -> %s (%d files, %.1f MB raw, %.1f MB stored, %.2f s)",
+        ckpt.uri,
+        final,
+        len(index.files),
+        res.bytes_raw / 1e6,
+        res.bytes_stored / 1e6,
+        res.seconds,
+    )
     return res
 
 
 # ---- the steps ----------------------------------------------------------------------
 
-def _stage(src: Tier, dst: Tier, ckpt: StoredCheckpoint, tmp: str, threads: int | None,
-           fault: FaultHook, *, durable: bool) -> tuple[TransferResult, set[str]]:
+
+def _stage(
+    src: Tier, dst: Tier, ckpt: StoredCheckpoint, tmp: str, threads: int | None, fault: FaultHook, *, durable: bool
+) -> tuple[TransferResult, set[str]]:
     """Steps 2-3 unless a complete staging for this manifest is already in ``tmp``.
     Also returns the files whose copy was already read back and checked (step 4 done)."""
     t0 = time.perf_counter()
-    res = TransferResult(uri=dst.url_for(ckpt.run_id, ckpt.step), run_id=ckpt.run_id,
-                         step=ckpt.step, codec=dst.codec, bytes_raw=ckpt.manifest.total_bytes)
+    res = TransferResult(
+        uri=dst.url_for(ckpt.run_id, ckpt.step),
+        run_id=ckpt.run_id,
+        step=ckpt.step,
+        codec=dst.codec,
+        bytes_raw=ckpt.manifest.total_bytes,
+    )
     staged = _complete_staging(tmp, ckpt, dst.codec)
     if staged is not None:
         res.skipped_files = len(staged.files)
@@ -132,7 +154,7 @@ def _stage(src: Tier, dst: Tier, ckpt: StoredCheckpoint, tmp: str, threads: int 
         stored = streams.stored_name(name, dst.codec)
         path = os.path.join(tmp, *stored.split("/"))
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        if dst.codec == "none" and ckpt.index.codec == "none" and src.commits_by_rename:
+        if dst.codec == "none" and ckpt.index.codec == "none" and src.is_local:
             # Fast path: the kernel copies, and the copy is read back and digested
             # against the manifest while it is being made (the after-copy check).
             streams.copy_verified(ckpt.object_url(name), path, entry.size, entry.checksum)
@@ -140,8 +162,16 @@ def _stage(src: Tier, dst: Tier, ckpt: StoredCheckpoint, tmp: str, threads: int 
             out = StoredFile(entry.size, entry.checksum, stored, entry.size, entry.checksum)
         else:
             with open(path, "wb") as f:
-                st = streams.encode_file(src, ckpt, name, f, codec=dst.codec, level=cfg.level,
-                                         threads=cfg.codec_threads, dtype_map=maps.get(name))
+                st = streams.encode_file(
+                    src,
+                    ckpt,
+                    name,
+                    f,
+                    codec=dst.codec,
+                    level=cfg.level,
+                    threads=cfg.codec_threads,
+                    dtype_map=maps.get(name),
+                )
                 f.flush()
                 os.fsync(f.fileno())
             out = StoredFile(st.raw_bytes, st.raw_checksum, stored, st.stored_bytes, st.stored_checksum)
@@ -150,8 +180,14 @@ def _stage(src: Tier, dst: Tier, ckpt: StoredCheckpoint, tmp: str, threads: int 
 
     files = dict(run_all(one, names, _workers(threads, len(names))))
     level = ckpt.index.level if ckpt.index.codec == dst.codec else cfg.level
-    index = TierIndex(run_id=ckpt.run_id, step=ckpt.step, codec=dst.codec, level=level,
-                      manifest_checksum=hash_bytes(ckpt.manifest_bytes), files=files)
+    index = TierIndex(
+        run_id=ckpt.run_id,
+        step=ckpt.step,
+        codec=dst.codec,
+        level=level,
+        manifest_checksum=hash_bytes(ckpt.manifest_bytes),
+        files=files,
+    )
     fsync_dir(tmp)  # every stored file's entry is durable before the index that lists them
     fault("compress:before_index")
     write_durable(os.path.join(tmp, layout.TIER_MANIFEST), index.to_json())
@@ -182,8 +218,9 @@ def _complete_staging(tmp: str, ckpt: StoredCheckpoint, codec: str) -> TierIndex
     return index if index.codec == codec else None
 
 
-def _verify_tmp(tmp: str, ckpt: StoredCheckpoint, dst: Tier, threads: int | None, deep: bool,
-                checked: set[str]) -> TierIndex:
+def _verify_tmp(
+    tmp: str, ckpt: StoredCheckpoint, dst: Tier, threads: int | None, deep: bool, checked: set[str]
+) -> TierIndex:
     """Step 4; returns the staged index (checked against the manifest)."""
     path = os.path.join(tmp, layout.TIER_MANIFEST)
     index = TierIndex.from_json(_read(path), source=path)
@@ -207,11 +244,20 @@ def _already_committed(dst: Tier, ckpt: StoredCheckpoint, t0: float) -> Transfer
         raise ManifestError(
             f"{there.uri}: already committed with a different manifest than {ckpt.uri}; a "
             "committed checkpoint is never replaced — delete it on purpose (prune) if the "
-            "source is the one to keep", path=there.uri)
-    return TransferResult(uri=there.uri, run_id=ckpt.run_id, step=ckpt.step, codec=there.index.codec,
-                          skipped_files=len(there.index.files), bytes_raw=there.index.total_raw_bytes,
-                          bytes_stored=there.index.total_stored_bytes,
-                          seconds=time.perf_counter() - t0, already_committed=True)
+            "source is the one to keep",
+            path=there.uri,
+        )
+    return TransferResult(
+        uri=there.uri,
+        run_id=ckpt.run_id,
+        step=ckpt.step,
+        codec=there.index.codec,
+        skipped_files=len(there.index.files),
+        bytes_raw=there.index.total_raw_bytes,
+        bytes_stored=there.index.total_stored_bytes,
+        seconds=time.perf_counter() - t0,
+        already_committed=True,
+    )
 
 
 @contextmanager
@@ -225,8 +271,10 @@ def _locked_tmp(dst: Tier, run_id: str, step: int) -> Iterator[str]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise StorageError(f"{tmp}: another promote of {run_id} step {step} is in progress; "
-                               "re-run after it finishes (it is then a no-op)") from None
+            raise StorageError(
+                f"{tmp}: another promote of {run_id} step {step} is in progress; "
+                "re-run after it finishes (it is then a no-op)"
+            ) from None
         except OSError as e:  # a file system without locks: proceed, say so
             log.warning("cannot lock %s (%s); concurrent promotes of one step are unsafe here", tmp, e)
         yield tmp
@@ -235,9 +283,11 @@ def _locked_tmp(dst: Tier, run_id: str, step: int) -> Iterator[str]:
 
 
 def _require_rename_tier(dst: Tier) -> None:
-    if not dst.commits_by_rename:
-        raise ConfigError(f"tier {dst.name} ({dst.url}) is an object store: promote writes to "
-                          "file-system tiers, use archive for object stores")
+    if dst.rule.kind != "rename":
+        raise ConfigError(
+            f"tier {dst.name} ({dst.url}) is an object store: promote writes to "
+            "file-system tiers, use archive for object stores"
+        )
 
 
 def _workers(threads: int | None, n: int) -> int:

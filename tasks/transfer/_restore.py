@@ -21,19 +21,26 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from ckptflow.trainer.errors import CheckpointNotFoundError, CkptflowError, CodecError, IntegrityError
-
 from ckptflow.tasks.storage.leases import acquire_lease
 from ckptflow.tasks.storage.tier import Tier
 from ckptflow.tasks.transfer._fetch import fetch
 from ckptflow.tasks.transfer.results import RestoreResult, Skipped
+from ckptflow.trainer.errors import CheckpointNotFoundError, CkptflowError, CodecError, IntegrityError
 
 log = logging.getLogger(__name__)
 
 
-def restore(tiers: Sequence[Tier], run_id: str, dst_dir: str, *, step: int | None = None,
-            threads: int | None = None, holder: str | None = None,
-            lease_ttl_s: float = 3600.0, progress: Callable[[int], None] | None = None) -> RestoreResult:
+def restore(
+    tiers: Sequence[Tier],
+    run_id: str,
+    dst_dir: str,
+    *,
+    step: int | None = None,
+    threads: int | None = None,
+    holder: str | None = None,
+    lease_ttl_s: float = 3600.0,
+    progress: Callable[[int], None] | None = None,
+) -> RestoreResult:
     """Fetch the newest good checkpoint of ``run_id`` (or exactly ``step``) into ``dst_dir``.
 
     ``tiers`` in restore order (hot, warm, cold). Raises CheckpointNotFoundError, listing
@@ -70,14 +77,22 @@ def restore(tiers: Sequence[Tier], run_id: str, dst_dir: str, *, step: int | Non
             log.warning("restore of %s skips %s: %s", run_id, uri, reason)
             skipped.append(Skipped(uri, s, tier.name, reason))
             continue
-        return RestoreResult(uri=uri, tier=tier.name, run_id=run_id, step=s, dst_dir=got.dst_dir,
-                             fetch=got, skipped=skipped, seconds=time.perf_counter() - t0)
+        return RestoreResult(
+            uri=uri,
+            tier=tier.name,
+            run_id=run_id,
+            step=s,
+            dst_dir=got.dst_dir,
+            fetch=got,
+            skipped=skipped,
+            seconds=time.perf_counter() - t0,
+        )
 
     what = f"step {step}" if step is not None else "any step"
     tried = "; ".join(f"{k.uri}: {k.reason}" for k in skipped) or "no committed checkpoints"
     raise CheckpointNotFoundError(
-        f"no checkpoint of run {run_id} ({what}) verifies on tiers "
-        f"{', '.join(t.name for t in tiers)} — tried: {tried}")
+        f"no checkpoint of run {run_id} ({what}) verifies on tiers {', '.join(t.name for t in tiers)} — tried: {tried}"
+    )
 
 
 class _lease:

@@ -21,13 +21,12 @@ import queue
 import threading
 from typing import BinaryIO
 
+from ckptflow.tasks.codec import Codec, CodecStats, get_codec
+from ckptflow.tasks.storage.tier import StoredCheckpoint, Tier
 from ckptflow.trainer import layout
 from ckptflow.trainer.checksum import hash_file, new_hasher
 from ckptflow.trainer.errors import CkptflowError, CodecError, IntegrityError
 from ckptflow.trainer.verify import check_file
-
-from ckptflow.tasks.codec import Codec, CodecStats, get_codec
-from ckptflow.tasks.storage.tier import StoredCheckpoint, Tier
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +35,7 @@ READ_BLOCK = 8 << 20
 
 def open_stored(tier: Tier, url: str) -> BinaryIO:
     """A stored object for streaming reads (plain ``open`` on local tiers: no fsspec layer)."""
-    if tier.commits_by_rename:
+    if tier.is_local:
         return open(url, "rb")
     return tier.fs.open(url, "rb", block_size=READ_BLOCK)
 
@@ -45,8 +44,17 @@ def stored_name(name: str, codec: str) -> str:
     return layout.check_member_name(name + get_codec(codec).suffix)
 
 
-def encode_file(src: Tier, ckpt: StoredCheckpoint, name: str, dst: BinaryIO, *, codec: str,
-                level: int | None, threads: int | None, dtype_map: object = None) -> CodecStats:
+def encode_file(
+    src: Tier,
+    ckpt: StoredCheckpoint,
+    name: str,
+    dst: BinaryIO,
+    *,
+    codec: str,
+    level: int | None,
+    threads: int | None,
+    dtype_map: object = None,
+) -> CodecStats:
     """Write file ``name`` of ``ckpt`` to ``dst`` in ``codec``'s stored form; see module doc."""
     entry = ckpt.index.files[name]
     src_url = ckpt.object_url(name)
@@ -59,19 +67,23 @@ def encode_file(src: Tier, ckpt: StoredCheckpoint, name: str, dst: BinaryIO, *, 
                         f"{src_url}: stored bytes ({copied.stored_bytes} B, {copied.stored_checksum}) "
                         f"differ from the tier index ({entry.stored_size} B, {entry.stored_checksum}); "
                         f"the source copy is damaged — copy {ckpt.run_id} step {ckpt.step} from "
-                        "another tier", path=src_url)
-                return CodecStats(entry.size, copied.stored_bytes, entry.checksum,
-                                  copied.stored_checksum, copied.seconds)
+                        "another tier",
+                        path=src_url,
+                    )
+                return CodecStats(
+                    entry.size, copied.stored_bytes, entry.checksum, copied.stored_checksum, copied.seconds
+                )
             enc = get_codec(codec)
             if ckpt.index.codec == "none":
-                stats = enc.compress(f, dst, level=level, threads=threads, dtype_map=dtype_map,
-                                     name=src_url)
+                stats = enc.compress(f, dst, level=level, threads=threads, dtype_map=dtype_map, name=src_url)
             else:
-                stats = _transcode(f, get_codec(ckpt.index.codec), enc, dst, level=level,
-                                   threads=threads, name=src_url)
+                stats = _transcode(f, get_codec(ckpt.index.codec), enc, dst, level=level, threads=threads, name=src_url)
     except FileNotFoundError:
-        raise IntegrityError(f"{src_url}: missing from the source tier although {ckpt.uri} is "
-                             "committed; copy this checkpoint from another tier", path=src_url) from None
+        raise IntegrityError(
+            f"{src_url}: missing from the source tier although {ckpt.uri} is "
+            "committed; copy this checkpoint from another tier",
+            path=src_url,
+        ) from None
     except CodecError as e:
         raise IntegrityError(f"{src_url}: cannot be decoded ({e})", path=src_url) from None
     check_raw(stats, entry.size, entry.checksum, src_url, "source")
@@ -83,11 +95,14 @@ def check_raw(stats: CodecStats, size: int, checksum: str, url: str, side: str) 
         raise IntegrityError(
             f"{url}: raw content ({stats.raw_bytes} B, xxh3 {stats.raw_checksum}) differs from the "
             f"manifest ({size} B, {checksum}); the {side} copy is damaged — use another tier or "
-            "an older checkpoint", path=url)
+            "an older checkpoint",
+            path=url,
+        )
 
 
-def _transcode(src: BinaryIO, dec: Codec, enc: Codec, dst: BinaryIO, *, level: int | None,
-               threads: int | None, name: str) -> CodecStats:
+def _transcode(
+    src: BinaryIO, dec: Codec, enc: Codec, dst: BinaryIO, *, level: int | None, threads: int | None, name: str
+) -> CodecStats:
     r, w = os.pipe()
     errors: list[BaseException] = []
     pr, pw = open(r, "rb"), open(w, "wb")
@@ -139,8 +154,7 @@ def copy_verified(src_path: str, dst_path: str, size: int, checksum: str) -> Non
                 while (item := chunks.get()) is not None:
                     off, n = item
                     if os.fstat(r.fileno()).st_size < off + n:
-                        raise IntegrityError(f"{dst_path}: shorter than written (at byte {off})",
-                                             path=dst_path)
+                        raise IntegrityError(f"{dst_path}: shorter than written (at byte {off})", path=dst_path)
                     # mmap: the digest reads the page cache in place (no copy into Python),
                     # ~40 % cheaper than readinto; chunk offsets are page-aligned.
                     with mmap.mmap(r.fileno(), n, offset=off, access=mmap.ACCESS_READ) as mm:
@@ -170,9 +184,12 @@ def copy_verified(src_path: str, dst_path: str, size: int, checksum: str) -> Non
         raise errors[0]
     digest = hasher.hexdigest()
     if (seen[0], digest) != (size, checksum):
-        raise IntegrityError(f"{dst_path}: copy reads back as {seen[0]} B xxh3 {digest}, the manifest "
-                             f"says {size} B {checksum} (source {src_path} damaged, or the copy "
-                             "failed) — check both disks, then re-run", path=dst_path)
+        raise IntegrityError(
+            f"{dst_path}: copy reads back as {seen[0]} B xxh3 {digest}, the manifest "
+            f"says {size} B {checksum} (source {src_path} damaged, or the copy "
+            "failed) — check both disks, then re-run",
+            path=dst_path,
+        )
 
 
 def _kernel_copy(fi: BinaryIO, fo: BinaryIO, n: int) -> int:
@@ -191,9 +208,12 @@ def verify_local(path: str, size: int, checksum: str, what: str) -> None:
     except FileNotFoundError:
         raise IntegrityError(f"{path}: missing right after it was written ({what})", path=path) from None
     if (n, digest) != (size, checksum):
-        raise IntegrityError(f"{path}: reads back as {n} B xxh3 {digest}, expected {size} B {checksum} "
-                             f"({what}); the destination corrupted the copy — check the disk, then "
-                             "re-run", path=path)
+        raise IntegrityError(
+            f"{path}: reads back as {n} B xxh3 {digest}, expected {size} B {checksum} "
+            f"({what}); the destination corrupted the copy — check the disk, then "
+            "re-run",
+            path=path,
+        )
 
 
 def decode_verify(path: str, codec: str, size: int, checksum: str, threads: int | None) -> None:
@@ -217,7 +237,7 @@ def dtype_maps(src: Tier, ckpt: StoredCheckpoint, codec: str) -> dict[str, objec
     DCP's ``.metadata`` is checked against the manifest before it is parsed. Without maps
     (a remote or compressed source) ``bytegroup`` still works, with a lower ratio.
     """
-    if codec != "bytegroup" or ckpt.index.codec != "none" or not src.commits_by_rename:
+    if codec != "bytegroup" or ckpt.index.codec != "none" or not src.is_local:
         return {}
     entry = ckpt.manifest.files[layout.DCP_METADATA]
     problem = check_file(ckpt.uri, layout.DCP_METADATA, entry.size, entry.checksum)

@@ -8,14 +8,15 @@ every manifest — so a checkpoint says how to rebuild what it holds.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ckptflow.trainer.reference.data import DataConfig, probe_batch
 from ckptflow.trainer.errors import ConfigError
+from ckptflow.trainer.reference.data import DataConfig, probe_batch
 from ckptflow.trainer.reference.model import ModelConfig, Transformer, lm_loss
 
 BUILDER = "ckptflow.trainer.reference.build:build"
@@ -43,13 +44,13 @@ class TrainConfig:
         if self.parallel not in ("fsdp", "ddp", "none"):
             raise ConfigError(f"TrainConfig.parallel={self.parallel!r}; choose fsdp, ddp or none")
         if self.warmup_steps < 0 or self.schedule_steps <= self.warmup_steps:
-            raise ConfigError(f"TrainConfig: need 0 <= warmup_steps ({self.warmup_steps}) < "
-                              f"schedule_steps ({self.schedule_steps})")
+            raise ConfigError(
+                f"TrainConfig: need 0 <= warmup_steps ({self.warmup_steps}) < schedule_steps ({self.schedule_steps})"
+            )
 
     def data(self) -> DataConfig:
         m = ModelConfig.from_dict(self.model)
-        return DataConfig(seed=self.seed, num_samples=self.data_samples, seq_len=m.seq_len,
-                          vocab_size=m.vocab_size)
+        return DataConfig(seed=self.seed, num_samples=self.data_samples, seq_len=m.seq_len, vocab_size=m.vocab_size)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -103,7 +104,10 @@ def build(config: dict[str, Any], *, parallel: str | None = None) -> Built:
         model = torch.nn.parallel.DistributedDataParallel(raw)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     return Built(cfg, model, opt, sched, probe_batch(cfg.data()), raw)

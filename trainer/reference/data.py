@@ -62,8 +62,10 @@ class GlobalSampler:
 
     def __init__(self, cfg: DataConfig, *, global_batch: int, rank: int, world_size: int) -> None:
         if global_batch % world_size:
-            raise ConfigError(f"global_batch={global_batch} must be divisible by the world size "
-                              f"{world_size}; pick a global batch that all world sizes you use divide")
+            raise ConfigError(
+                f"global_batch={global_batch} must be divisible by the world size "
+                f"{world_size}; pick a global batch that all world sizes you use divide"
+            )
         self.cfg, self.global_batch, self.rank, self.world = cfg, global_batch, rank, world_size
         self.epoch = 0
         self.pos = 0  # global samples consumed in this epoch
@@ -80,10 +82,10 @@ class GlobalSampler:
         """This rank's indices for the next global batch; advances the position."""
         if self.pos + self.global_batch > self.cfg.num_samples:
             self.epoch, self.pos = self.epoch + 1, 0
-        glob = self._permutation()[self.pos:self.pos + self.global_batch]
+        glob = self._permutation()[self.pos : self.pos + self.global_batch]
         self.pos += self.global_batch
         per = self.global_batch // self.world
-        return glob[self.rank * per:(self.rank + 1) * per]
+        return glob[self.rank * per : (self.rank + 1) * per]
 
     def next_batch(self) -> torch.Tensor:
         return make_samples(self.cfg, self.next_indices())
@@ -93,8 +95,10 @@ class GlobalSampler:
 
     def load_state_dict(self, st: dict) -> None:
         if st["global_batch"] != self.global_batch:
-            raise ConfigError(f"sampler state has global_batch={st['global_batch']}, this job uses "
-                              f"{self.global_batch}; resuming would change the data order")
+            raise ConfigError(
+                f"sampler state has global_batch={st['global_batch']}, this job uses "
+                f"{self.global_batch}; resuming would change the data order"
+            )
         self.epoch, self.pos = int(st["epoch"]), int(st["pos"])
 
 

@@ -22,17 +22,20 @@ import torch.distributed as dist
 
 from ckptflow.trainer import faults
 from ckptflow.trainer.checkpointer import CheckpointConfig, CheckpointManager, Provenance, SanitySpec
-from ckptflow.trainer.reference.data import GlobalSampler
 from ckptflow.trainer.distenv import init_distributed, shutdown
+from ckptflow.trainer.reference.build import BUILDER, TrainConfig, build
+from ckptflow.trainer.reference.data import GlobalSampler
 from ckptflow.trainer.reference.metrics import metrics_path
 from ckptflow.trainer.reference.model import ModelConfig, lm_loss
-from ckptflow.trainer.reference.build import BUILDER, TrainConfig, build
 from ckptflow.trainer.state import reseed_rng
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m ckptflow.trainer.train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m ckptflow.trainer.train",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--ckpt-root", required=True, help="hot-tier root folder")
     p.add_argument("--run-id", required=True)
     p.add_argument("--max-steps", type=int, required=True)
@@ -45,11 +48,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--schedule-steps", type=int, default=1000)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--parallel", default="fsdp", choices=["fsdp", "ddp", "none"])
-    p.add_argument("--async-mode", default="async_staging",
-                   choices=["async_staging", "thread", "process", "sync"])
+    p.add_argument("--async-mode", default="async_staging", choices=["async_staging", "thread", "process", "sync"])
     p.add_argument("--no-save", action="store_true", help="train without checkpoints (benchmarks)")
-    p.add_argument("--allow-mismatch", action="store_true",
-                   help="resume even if the config hash or data fingerprint differs")
+    p.add_argument(
+        "--allow-mismatch", action="store_true", help="resume even if the config hash or data fingerprint differs"
+    )
     p.add_argument("--on-save-error", default="raise", choices=["raise", "continue"])
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step (demos)")
     return p.parse_args(argv)
@@ -70,21 +73,34 @@ def main(argv: list[str] | None = None) -> int:
     mcfg = ModelConfig.preset(args.model)
     if args.dropout is not None:
         mcfg = ModelConfig.from_dict({**mcfg.to_dict(), "dropout": args.dropout})  # validates
-    tcfg = TrainConfig(model=mcfg.to_dict(), global_batch=args.global_batch,
-                       lr=args.lr, warmup_steps=args.warmup_steps, schedule_steps=args.schedule_steps,
-                       seed=args.seed, parallel=args.parallel)
+    tcfg = TrainConfig(
+        model=mcfg.to_dict(),
+        global_batch=args.global_batch,
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        schedule_steps=args.schedule_steps,
+        seed=args.seed,
+        parallel=args.parallel,
+    )
     b = build(tcfg.to_dict())
-    sampler = GlobalSampler(tcfg.data(), global_batch=tcfg.global_batch, rank=env.rank,
-                            world_size=env.world_size)
+    sampler = GlobalSampler(tcfg.data(), global_batch=tcfg.global_batch, rank=env.rank, world_size=env.world_size)
     reseed_rng(tcfg.seed * 1000 + env.rank)  # fresh start: distinct dropout streams per rank
     ckpt = CheckpointManager(
-        CheckpointConfig(root=args.ckpt_root, run_id=args.run_id, interval=args.save_every,
-                         async_mode=args.async_mode, enabled=not args.no_save,
-                         allow_mismatch=args.allow_mismatch, on_save_error=args.on_save_error),
-        model=b.model, optimizer=b.optimizer, scheduler=b.scheduler, sampler=sampler,
+        CheckpointConfig(
+            root=args.ckpt_root,
+            run_id=args.run_id,
+            interval=args.save_every,
+            async_mode=args.async_mode,
+            enabled=not args.no_save,
+            allow_mismatch=args.allow_mismatch,
+            on_save_error=args.on_save_error,
+        ),
+        model=b.model,
+        optimizer=b.optimizer,
+        scheduler=b.scheduler,
+        sampler=sampler,
         provenance=Provenance(config=tcfg.to_dict(), data_fingerprint=tcfg.data().fingerprint()),
-        sanity=SanitySpec(builder=BUILDER, config=tcfg.to_dict(), probe_tokens=b.probe.tolist(),
-                          probe_fn=b.probe_loss),
+        sanity=SanitySpec(builder=BUILDER, config=tcfg.to_dict(), probe_tokens=b.probe.tolist(), probe_fn=b.probe_loss),
         env=env,
     )
     start = ckpt.load()
@@ -104,8 +120,19 @@ def main(argv: list[str] | None = None) -> int:
         if env.world_size > 1:
             dist.all_reduce(lv, op=dist.ReduceOp.AVG)
         if mf is not None:
-            mf.write(json.dumps({"step": step, "loss": float(lv), "lr": lr, "attempt": env.attempt,
-                                 "t": round(time.perf_counter() - t0, 4), "wall": time.time()}) + "\n")
+            mf.write(
+                json.dumps(
+                    {
+                        "step": step,
+                        "loss": float(lv),
+                        "lr": lr,
+                        "attempt": env.attempt,
+                        "t": round(time.perf_counter() - t0, 4),
+                        "wall": time.time(),
+                    }
+                )
+                + "\n"
+            )
         faults.maybe_crash("step", step)
         if args.step_sleep:
             time.sleep(args.step_sleep)
@@ -119,10 +146,20 @@ def main(argv: list[str] | None = None) -> int:
     if env.rank == 0:
         blocked = sorted(t.blocked_s for t in ckpt.save_timings) or [0.0]
         # One machine-readable line: tests and benchmarks read it, people can too.
-        print("ckptflow-summary " + json.dumps({
-            "saves": len(ckpt.save_timings), "stall_median_ms": blocked[len(blocked) // 2] * 1e3,
-            "stall_max_ms": blocked[-1] * 1e3, "train_s": train_s, "close_s": close_s,
-            "steps": args.max_steps - start}), file=sys.stderr)
+        print(
+            "ckptflow-summary "
+            + json.dumps(
+                {
+                    "saves": len(ckpt.save_timings),
+                    "stall_median_ms": blocked[len(blocked) // 2] * 1e3,
+                    "stall_max_ms": blocked[-1] * 1e3,
+                    "train_s": train_s,
+                    "close_s": close_s,
+                    "steps": args.max_steps - start,
+                }
+            ),
+            file=sys.stderr,
+        )
     shutdown(env)
     return 0
 

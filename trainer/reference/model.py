@@ -46,11 +46,11 @@ class ModelConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ModelConfig":
+    def from_dict(cls, d: dict) -> ModelConfig:
         return cls(**d)
 
     @classmethod
-    def preset(cls, name: str) -> "ModelConfig":
+    def preset(cls, name: str) -> ModelConfig:
         """Named sizes: ``tiny`` (0.1M) for tests, ``mini`` (2.2M) for the demo, ``small``
         (~14M params) the default job, ``medium`` (~70M) for benchmarks."""
         presets = {
@@ -81,9 +81,7 @@ class Block(nn.Module):
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
         q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
-        a = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, d)))
         return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
 

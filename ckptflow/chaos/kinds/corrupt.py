@@ -30,30 +30,35 @@ import os
 import random
 import time
 
+from ckptflow.chaos import checks
+from ckptflow.chaos.campaign import Campaign
+from ckptflow.chaos.model import TrialPlan, TrialResult
+from ckptflow.chaos.workspace import Scratch, list_keys
 from ckptflow.tasks.transfer import fetch
 from ckptflow.trainer import layout
 from ckptflow.trainer.errors import CkptflowError
 from ckptflow.trainer.verify import verify_checkpoint
 
-from ckptflow.chaos import checks
-from ckptflow.chaos.campaign import Campaign
-from ckptflow.chaos.model import TrialPlan, TrialResult
-from ckptflow.chaos.workspace import Scratch, list_keys
-
-DAMAGES = ("bitflip", "truncate", "missing", "edit_manifest", "marker_no_objects", "objects_no_marker",
-           "stale_latest")
+DAMAGES = ("bitflip", "truncate", "missing", "edit_manifest", "marker_no_objects", "objects_no_marker", "stale_latest")
 RECORDS = (layout.MANIFEST, layout.TIER_MANIFEST, layout.COMMIT_MARKER)
 STEP = 6
 
 
 def plan(rng: random.Random, camp: Campaign) -> dict:
     damage = rng.choice(DAMAGES)
-    tiers = ["hot"] if damage == "stale_latest" else (
-        ["hot", "warm", "cold"] if rng.random() < 0.2 else [rng.choice(["hot", "warm", "cold"])])
+    tiers = (
+        ["hot"]
+        if damage == "stale_latest"
+        else (["hot", "warm", "cold"] if rng.random() < 0.2 else [rng.choice(["hot", "warm", "cold"])])
+    )
     edits = ["entry", "unsafe"] + (["meta"] if camp.opts.sign else [])
-    return {"damage": damage, "tiers": tiers, "pick": rng.random(),
-            "edit": rng.choice(edits) if damage == "edit_manifest" else None,
-            "latest": rng.choice(["missing", "older", "garbage"]) if damage == "stale_latest" else None}
+    return {
+        "damage": damage,
+        "tiers": tiers,
+        "pick": rng.random(),
+        "edit": rng.choice(edits) if damage == "edit_manifest" else None,
+        "latest": rng.choice(["missing", "older", "garbage"]) if damage == "stale_latest" else None,
+    }
 
 
 def run(camp: Campaign, tp: TrialPlan) -> TrialResult:
@@ -83,15 +88,18 @@ def run(camp: Campaign, tp: TrialPlan) -> TrialResult:
             if one.problem or one.step != fallback:
                 res.violations.append(f"restore from {name} alone: step {one.step}, {one.problem}")
             elif p["damage"] not in ("objects_no_marker", "stale_latest") and not any(
-                    layout.step_name(STEP) in uri and _names(why, damaged[name]) for uri, why in one.skipped):
-                res.undetected.append(f"restore from {name} skipped step {STEP} without naming "
-                                      f"{damaged[name]}: {one.skipped}")
+                layout.step_name(STEP) in uri and _names(why, damaged[name]) for uri, why in one.skipped
+            ):
+                res.undetected.append(
+                    f"restore from {name} skipped step {STEP} without naming {damaged[name]}: {one.skipped}"
+                )
         whole = checks.restore_check(list(tiers.values()), sc)
         res.recovery_s = time.monotonic() - t0
     want = 4 if len(damaged) == 3 and p["damage"] != "stale_latest" else STEP
     if whole.problem or whole.step != want:
-        res.violations.append(f"restore over all tiers: step {whole.step} from {whole.tier}, expected "
-                              f"step {want}: {whole.problem}")
+        res.violations.append(
+            f"restore over all tiers: step {whole.step} from {whole.tier}, expected step {want}: {whole.problem}"
+        )
     else:
         res.recovered = True
     if audit.events:
@@ -111,13 +119,16 @@ def _names(text: str, what: str) -> bool:
 
 # ---- detection on one tier ----------------------------------------------------------------
 
+
 def _detect(sc: Scratch, tier, what: str, damage: str) -> list[str]:
     if damage == "stale_latest":
         return []  # resume's view is checked by the caller
-    if damage == "objects_no_marker" and tier.name != "hot":
+    if damage == "objects_no_marker" and tier.rule.kind == "marker":
         if STEP in tier.committed_steps(sc.run_id):
             return [f"{tier.name} lists step {STEP} as committed without its commit proof"]
         return []
+    # On a file system the rename committed the step: without its manifest it is a damaged
+    # checkpoint, which every reader must report (naming the manifest), not one to hide.
     if tier.name == "hot":
         v = verify_checkpoint(tier.url_for(sc.run_id, STEP))
         if v.ok:
@@ -138,12 +149,16 @@ def _detect(sc: Scratch, tier, what: str, damage: str) -> list[str]:
 
 # ---- damage ------------------------------------------------------------------------------------
 
+
 def _damage(camp: Campaign, sc: Scratch, tier: str, p: dict) -> str:
     """Apply the damage; returns the path or URL of what was damaged."""
     d = p["damage"]
     if d == "stale_latest":
-        target = {"missing": layout.step_name(99) + "\n", "older": layout.step_name(4) + "\n",
-                  "garbage": "\x00not a step\n"}[p["latest"]]
+        target = {
+            "missing": layout.step_name(99) + "\n",
+            "older": layout.step_name(4) + "\n",
+            "garbage": "\x00not a step\n",
+        }[p["latest"]]
         path = os.path.join(sc.run_path, layout.LATEST)
         with open(path, "w") as f:
             f.write(target)
@@ -176,8 +191,11 @@ class _Store:
         if self.local:
             names = sorted(n for n in os.listdir(self.dir) if n not in RECORDS)
         else:
-            names = sorted(k.rsplit("/", 1)[1] for k in list_keys(self.camp.s3, self.camp.bucket, self.key)
-                           if k.rsplit("/", 1)[1] not in RECORDS)
+            names = sorted(
+                k.rsplit("/", 1)[1]
+                for k in list_keys(self.camp.s3, self.camp.bucket, self.key)
+                if k.rsplit("/", 1)[1] not in RECORDS
+            )
         return names
 
     def where(self, name: str) -> str:

@@ -20,13 +20,12 @@ import os
 import random
 import subprocess
 
-from ckptflow.trainer import commit, layout
-from ckptflow.trainer.verify import verify_checkpoint
-
 from ckptflow.chaos import checks, procs
 from ckptflow.chaos.campaign import SAVE_EVERY, TRAIN_STEPS, Campaign
 from ckptflow.chaos.model import TrialPlan, TrialResult
 from ckptflow.chaos.workspace import RUN_ID
+from ckptflow.trainer import commit, layout
+from ckptflow.trainer.verify import verify_checkpoint
 
 KiB = 1024
 NOSPACE = "No space left on device"
@@ -35,8 +34,7 @@ NOSPACE = "No space left on device"
 def plan(rng: random.Random, camp: Campaign) -> dict:
     nproc = 2 if rng.random() < camp.opts.world2_share else 1
     # one tiny checkpoint is ~1.9 MB; between 1 and 4 of the 5 saves fit
-    return {"nproc": nproc, "policy": rng.choice(["raise", "continue"]),
-            "size_kib": rng.randrange(2300, 8600, 4)}
+    return {"nproc": nproc, "policy": rng.choice(["raise", "continue"]), "size_kib": rng.randrange(2300, 8600, 4)}
 
 
 def run(camp: Campaign, tp: TrialPlan) -> TrialResult:
@@ -60,8 +58,14 @@ def run(camp: Campaign, tp: TrialPlan) -> TrialResult:
 def _trial(camp: Campaign, sc, p: dict, res: TrialResult, how: str) -> None:
     baseline = camp.baseline(p["nproc"])
     log = os.path.join(sc.dir, "train.log")
-    cmd = procs.train_cmd(sc.hot, RUN_ID, nproc=p["nproc"], max_steps=TRAIN_STEPS, save_every=SAVE_EVERY,
-                          extra=["--on-save-error", p["policy"]])
+    cmd = procs.train_cmd(
+        sc.hot,
+        RUN_ID,
+        nproc=p["nproc"],
+        max_steps=TRAIN_STEPS,
+        save_every=SAVE_EVERY,
+        extra=["--on-save-error", p["policy"]],
+    )
     r1 = procs.run(cmd, env=camp.env, log_path=log, timeout=camp.opts.timeout_s)
     run_path = sc.run_path
     if r1.rc is None:
@@ -77,12 +81,13 @@ def _trial(camp: Campaign, sc, p: dict, res: TrialResult, how: str) -> None:
     named = [ln for ln in failed if run_path in ln]
     res.detail["error"] = _short((named or failed)[0])
     if not named:
-        res.violations.append(f"the failed save's error does not name the run's path {run_path}: "
-                              f"{_short(failed[0])}")
+        res.violations.append(f"the failed save's error does not name the run's path {run_path}: {_short(failed[0])}")
     if not any(x in r1.output for x in (NOSPACE, "Errno 28", "ENOSPC", "disk is full")):
         # torch's zip writer reports a short write as "unexpected pos N vs M"
-        res.findings.append("the failed save's error does not say the disk is full (torch reports "
-                            "'unexpected pos N vs M'); see docs/reliability.md")
+        res.findings.append(
+            "the failed save's error does not say the disk is full (torch reports "
+            "'unexpected pos N vs M'); see docs/reliability.md"
+        )
     if p["policy"] == "raise" and (r1.rc == 0 or "SaveError" not in r1.output):
         res.violations.append(f"on_save_error=raise but the job did not stop with a SaveError (rc={r1.rc})")
     if p["policy"] == "continue":
@@ -105,16 +110,23 @@ def _trial(camp: Campaign, sc, p: dict, res: TrialResult, how: str) -> None:
 
     # Recovery: more space, then start the job again.
     _grow(sc.hot, how, os.path.join(sc.dir, "disk.img"))
-    r2 = procs.run(procs.train_cmd(sc.hot, RUN_ID, nproc=p["nproc"], max_steps=TRAIN_STEPS, save_every=SAVE_EVERY),
-                   env=camp.env, log_path=log, timeout=camp.opts.timeout_s)
+    r2 = procs.run(
+        procs.train_cmd(sc.hot, RUN_ID, nproc=p["nproc"], max_steps=TRAIN_STEPS, save_every=SAVE_EVERY),
+        env=camp.env,
+        log_path=log,
+        timeout=camp.opts.timeout_s,
+    )
     res.recovery_s = r2.seconds
     before = len(res.violations)
     if r2.rc != 0:
         res.violations.append(f"the restarted job failed (rc={r2.rc}): {r2.tail()}")
         return
     newest = max(committed) if committed else None
-    if newest is not None and newest < TRAIN_STEPS and \
-            f"resumed from {os.path.join(run_path, layout.step_name(newest))}" not in r2.output:
+    if (
+        newest is not None
+        and newest < TRAIN_STEPS
+        and f"resumed from {os.path.join(run_path, layout.step_name(newest))}" not in r2.output
+    ):
         res.violations.append(f"the restarted job did not resume from step {newest}")
     want = list(range(TRAIN_STEPS, 0, -SAVE_EVERY))
     got = commit.committed_steps(run_path)
@@ -129,15 +141,18 @@ def _trial(camp: Campaign, sc, p: dict, res: TrialResult, how: str) -> None:
 
 def _mount(path: str, size: int, image: str) -> str | None:
     """Mount a ``size``-byte file system at ``path``; returns "tmpfs", "ext4-loop" or None."""
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "ckptflow-chaos", path],
-                       capture_output=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "ckptflow-chaos", path], capture_output=True
+    )
     if r.returncode == 0:
         return "tmpfs"
     try:
         with open(image, "wb") as f:
             f.truncate(size)
-        if subprocess.run(["mkfs.ext4", "-q", "-F", image], capture_output=True).returncode == 0 and \
-                subprocess.run(["mount", "-o", "loop", image, path], capture_output=True).returncode == 0:
+        if (
+            subprocess.run(["mkfs.ext4", "-q", "-F", image], capture_output=True).returncode == 0
+            and subprocess.run(["mount", "-o", "loop", image, path], capture_output=True).returncode == 0
+        ):
             return "ext4-loop"
     except OSError:
         pass

@@ -24,23 +24,34 @@ import os
 import random
 import shutil
 
-from ckptflow.tasks import records, stages
-from ckptflow.trainer import commit, events, layout
-from ckptflow.trainer.verify import verify_checkpoint
-
 from ckptflow.chaos import checks, procs
 from ckptflow.chaos.campaign import SAVE_EVERY, TRAIN_STEPS, Campaign
 from ckptflow.chaos.model import TrialPlan, TrialResult
 from ckptflow.chaos.workspace import RUN_ID
+from ckptflow.tasks import records, stages
+from ckptflow.trainer import commit, events, layout
+from ckptflow.trainer.verify import verify_checkpoint
 
 TRAINER_PHASES = ("step", "write", "shards", "after_shards", "after_manifest", "after_rename", "after_latest")
 STAGE_PHASES = (
-    "verify.integrity", "verify.sanity", "verify.before_record",
-    "compress.file", "compress.before_index",
-    "promote.verified", "promote.before_commit", "promote.committed",
-    "archive.uploaded", "archive.before_index", "archive.before_marker", "archive.committed",
-    "prune.hot.before_delete", "prune.hot.deleted", "prune.warm.before_delete", "prune.warm.deleted",
-    "prune.cold.before_delete", "prune.cold.deleted",
+    "verify.integrity",
+    "verify.sanity",
+    "verify.before_record",
+    "compress.file",
+    "compress.before_index",
+    "promote.verified",
+    "promote.before_commit",
+    "promote.committed",
+    "archive.uploaded",
+    "archive.before_index",
+    "archive.before_marker",
+    "archive.committed",
+    "prune.hot.before_delete",
+    "prune.hot.deleted",
+    "prune.warm.before_delete",
+    "prune.warm.deleted",
+    "prune.cold.before_delete",
+    "prune.cold.deleted",
 )
 PER_RANK = ("step", "write", "shards")  # reached by every rank; the others only by rank 0
 
@@ -63,6 +74,7 @@ def run(camp: Campaign, tp: TrialPlan) -> TrialResult:
 
 
 # ---- trainer ---------------------------------------------------------------------------
+
 
 def _trainer(camp: Campaign, tp: TrialPlan) -> TrialResult:
     p = tp.params
@@ -132,6 +144,7 @@ def _trainer(camp: Campaign, tp: TrialPlan) -> TrialResult:
 
 # ---- lifecycle stages ----------------------------------------------------------------------
 
+
 def _stage(camp: Campaign, tp: TrialPlan) -> TrialResult:
     p = tp.params
     spec = f"{p['phase']}@{p['step']}"
@@ -172,8 +185,9 @@ def _stage(camp: Campaign, tp: TrialPlan) -> TrialResult:
     res.violations += checks.half_committed(views)
     for name, want in g.after.items():
         if views[name].good != want:
-            res.violations.append(f"after the re-run {name} holds {views[name].good}, a run without the "
-                                  f"fault leaves {want}")
+            res.violations.append(
+                f"after the re-run {name} holds {views[name].good}, a run without the fault leaves {want}"
+            )
     missing = [s for s in stages.RECORDS if records.read_record(sc.run_path, 6, s) is None]
     if missing:
         res.violations.append(f"records missing after the re-run: {missing}")
@@ -195,7 +209,7 @@ def _records_ahead_of_work(run_path: str, views: dict[str, checks.TierView]) -> 
     return out
 
 
-def _fault_fired(r1: "procs.Ran", res: TrialResult, spec: str, what: str) -> bool:
+def _fault_fired(r1: procs.Ran, res: TrialResult, spec: str, what: str) -> bool:
     """Whether the SIGKILL happened; a hang or a failure without it is recorded on ``res``."""
     if r1.rc is None:
         res.violations.append(f"{what} with {spec} hung")

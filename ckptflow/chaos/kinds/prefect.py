@@ -33,14 +33,13 @@ import random
 import threading
 import time
 
-from ckptflow.tasks import records, stages
-from ckptflow.trainer import commit, events, layout
-
 from ckptflow.chaos import checks, procs
 from ckptflow.chaos.campaign import Campaign
 from ckptflow.chaos.model import TrialPlan, TrialResult
 from ckptflow.chaos.s3proxy import FaultProxy
 from ckptflow.chaos.servers import BlackHole, free_port
+from ckptflow.tasks import records, stages
+from ckptflow.trainer import commit, events, layout
 
 MODES = ("train-refuse", "train-hang", "train-restart", "flow-restart", "flow-flaky", "flow-kill")
 STEPS, EVERY, SLEEP = 6, 2, 0.2
@@ -53,8 +52,7 @@ def plan(rng: random.Random, camp: Campaign) -> dict:
 
 
 def _train_cmd(root: str, run_id: str) -> list[str]:
-    return procs.train_cmd(root, run_id, nproc=1, max_steps=STEPS, save_every=EVERY,
-                           extra=["--step-sleep", str(SLEEP)])
+    return procs.train_cmd(root, run_id, nproc=1, max_steps=STEPS, save_every=EVERY, extra=["--step-sleep", str(SLEEP)])
 
 
 def run(camp: Campaign, tp: TrialPlan) -> TrialResult:
@@ -70,8 +68,9 @@ def run(camp: Campaign, tp: TrialPlan) -> TrialResult:
     log = os.path.join(sc.dir, "trial.log")
     hole = BlackHole() if mode == "train-hang" else None
     try:
-        api = {"train-refuse": f"http://127.0.0.1:{free_port()}/api",
-               "train-hang": hole.url if hole else ""}.get(mode, srv.url)
+        api = {"train-refuse": f"http://127.0.0.1:{free_port()}/api", "train-hang": hole.url if hole else ""}.get(
+            mode, srv.url
+        )
         restarter: list[threading.Thread] = []
 
         def on_start(_proc) -> None:
@@ -80,38 +79,57 @@ def run(camp: Campaign, tp: TrialPlan) -> TrialResult:
                 t.start()
                 restarter.append(t)
 
-        r = procs.run(_train_cmd(sc.hot, run_id), env=dict(camp.env, PREFECT_API_URL=api), log_path=log,
-                      timeout=camp.opts.timeout_s, started=on_start)
+        r = procs.run(
+            _train_cmd(sc.hot, run_id),
+            env=dict(camp.env, PREFECT_API_URL=api),
+            log_path=log,
+            timeout=camp.opts.timeout_s,
+            started=on_start,
+        )
         for t in restarter:
             t.join(camp.opts.timeout_s)
         res.injected = 1
         _training_checks(res, r, base)
         committed = set(commit.committed_steps(sc.run_path)) | {
-            int(x["step"]) for x in events.read_outbox(sc.run_path) if "step" in x}
+            int(x["step"]) for x in events.read_outbox(sc.run_path) if "step" in x
+        }
 
         # The flows, under the fault where the mode says so.
         env = dict(camp.env, PREFECT_API_URL=srv.url)
         rcmd = procs.worker_cmd("reconcile", "--config", sc.config_path)
         if mode == "flow-flaky":
-            with FaultProxy(srv.url.rsplit("/api", 1)[0], share=camp.opts.prefect_share,
-                            modes=("503", "reset", "stall"), seed=p["proxy_seed"], stall_s=(0.2, 2.0)) as px:
-                first = procs.run(rcmd, env=dict(env, PREFECT_API_URL=px.url + "/api"), log_path=log,
-                                  timeout=camp.opts.timeout_s)
+            with FaultProxy(
+                srv.url.rsplit("/api", 1)[0],
+                share=camp.opts.prefect_share,
+                modes=("503", "reset", "stall"),
+                seed=p["proxy_seed"],
+                stall_s=(0.2, 2.0),
+            ) as px:
+                first = procs.run(
+                    rcmd, env=dict(env, PREFECT_API_URL=px.url + "/api"), log_path=log, timeout=camp.opts.timeout_s
+                )
                 res.detail["api_proxy"] = px.stats.to_dict()
                 res.injected = sum(px.stats.faults.values())
         elif mode == "flow-restart":
             killer = threading.Thread(target=_restart_after, args=(srv, p["delay"], res), daemon=True)
-            first = procs.run(rcmd, env=env, log_path=log, timeout=camp.opts.timeout_s,
-                              started=lambda _p: killer.start())
+            first = procs.run(
+                rcmd, env=env, log_path=log, timeout=camp.opts.timeout_s, started=lambda _p: killer.start()
+            )
             ended = time.monotonic()
             killer.join(camp.opts.timeout_s)
             if res.detail.pop("killed_at", ended) >= ended:
                 res.injected = 0  # the flow finished before the server went down: nothing was tested
                 res.notes.append("reconcile finished before the server restart")
         elif mode == "flow-kill":
-            first = procs.run(rcmd, env=env, log_path=log, timeout=camp.opts.timeout_s,
-                              started=lambda proc: threading.Thread(
-                                  target=_kill_mid_lifecycle, args=(proc, sc.run_path, res), daemon=True).start())
+            first = procs.run(
+                rcmd,
+                env=env,
+                log_path=log,
+                timeout=camp.opts.timeout_s,
+                started=lambda proc: threading.Thread(
+                    target=_kill_mid_lifecycle, args=(proc, sc.run_path, res), daemon=True
+                ).start(),
+            )
             if not first.killed:
                 res.injected = 0
                 res.notes.append("reconcile finished before it could be killed")
@@ -160,8 +178,9 @@ def _state_checks(res: TrialResult, sc, committed: set[int], counter: FaultProxy
     for s in sorted(committed):
         st = stages.stage_records(sc.run_path, s)
         if stages.ARCHIVE.record not in st and records.QUARANTINED not in st:
-            res.violations.append(f"lost commit: step {s} was committed but reconcile never finished its "
-                                  "lifecycle (no archived.json)")
+            res.violations.append(
+                f"lost commit: step {s} was committed but reconcile never finished its lifecycle (no archived.json)"
+            )
     views = checks.tier_views(sc)
     res.undetected += checks.half_committed(views)
     keep = sorted(committed, reverse=True)[:2]
@@ -169,9 +188,12 @@ def _state_checks(res: TrialResult, sc, committed: set[int], counter: FaultProxy
         if v.good != keep:
             res.violations.append(f"{name} ends with {v.good}, retention keeps {keep}")
     res.lost += checks.lost_steps(views, set(keep))
-    dup = {k: n for k, n in counter.stats.duplicate_uploads().items()
-           if k.rsplit("/", 1)[-1] not in (layout.MANIFEST, layout.TIER_MANIFEST, layout.COMMIT_MARKER)
-           and f"/{layout.LEASES_DIR}/" not in k}
+    dup = {
+        k: n
+        for k, n in counter.stats.duplicate_uploads().items()
+        if k.rsplit("/", 1)[-1] not in (layout.MANIFEST, layout.TIER_MANIFEST, layout.COMMIT_MARKER)
+        and f"/{layout.LEASES_DIR}/" not in k
+    }
     if dup:
         res.violations.append(f"lifecycle work done twice: data objects uploaded more than once: {dup}")
 
@@ -207,7 +229,7 @@ def _result(r: procs.Ran) -> dict:
     for line in reversed(r.output.splitlines()):
         if line.startswith("chaos-worker-result "):
             try:
-                return json.loads(line[len("chaos-worker-result "):])
+                return json.loads(line[len("chaos-worker-result ") :])
             except json.JSONDecodeError:
                 return {}
     return {}

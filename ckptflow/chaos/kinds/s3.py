@@ -23,19 +23,18 @@ from __future__ import annotations
 import random
 import time
 
-from ckptflow.tasks.config import RetentionPolicy, TierConfig
+from ckptflow.chaos import checks
+from ckptflow.chaos.campaign import Campaign
+from ckptflow.chaos.model import TrialPlan, TrialResult
+from ckptflow.chaos.s3proxy import MODES, FaultProxy
+from ckptflow.chaos.workspace import copy_prefix
+from ckptflow.tasks.config import RetentionConfig, TierConfig
 from ckptflow.tasks.prune import prune
 from ckptflow.tasks.retention import build_policy
 from ckptflow.tasks.storage import Tier
 from ckptflow.tasks.transfer import archive
 from ckptflow.trainer import layout
 from ckptflow.trainer.errors import CkptflowError
-
-from ckptflow.chaos import checks
-from ckptflow.chaos.campaign import Campaign
-from ckptflow.chaos.model import TrialPlan, TrialResult
-from ckptflow.chaos.s3proxy import MODES, FaultProxy
-from ckptflow.chaos.workspace import copy_prefix
 
 STORM = 0.6
 
@@ -51,8 +50,12 @@ def run(camp: Campaign, tp: TrialPlan) -> TrialResult:
     sc = camp.clone_golden(tp.index, "s3", final=True)
     # A cold prefix that holds only step 4: step 6 is archived under faults.
     sc.prefix = f"trials/{tp.index:04d}-s3"
-    copy_prefix(camp.s3, camp.bucket, f"final/{sc.run_id}/{layout.step_name(4)}",
-                f"{sc.prefix}/{sc.run_id}/{layout.step_name(4)}")
+    copy_prefix(
+        camp.s3,
+        camp.bucket,
+        f"final/{sc.run_id}/{layout.step_name(4)}",
+        f"{sc.prefix}/{sc.run_id}/{layout.step_name(4)}",
+    )
     with FaultProxy(camp.moto.url, share=p["share"], modes=MODES, seed=p["proxy_seed"]) as px:
         sc.point_cold_at(px.url)
         warm, cold = sc.tier("warm"), sc.tier("cold")
@@ -81,11 +84,16 @@ def run(camp: Campaign, tp: TrialPlan) -> TrialResult:
         res.recovery_s = time.monotonic() - t0
         res.recovered = archived is not None and restored == 6
         if not res.recovered:
-            res.violations.append(f"after the faults stopped: archived={archived is not None}, restored step {restored}")
+            res.violations.append(
+                f"after the faults stopped: archived={archived is not None}, restored step {restored}"
+            )
         _truth(res, sc, truth, "at the end")
-        dup = {k: n for k, n in px.stats.duplicate_uploads().items()
-               if k.rsplit("/", 1)[-1] not in (layout.MANIFEST, layout.TIER_MANIFEST, layout.COMMIT_MARKER)
-               and f"/{layout.LEASES_DIR}/" not in k}
+        dup = {
+            k: n
+            for k, n in px.stats.duplicate_uploads().items()
+            if k.rsplit("/", 1)[-1] not in (layout.MANIFEST, layout.TIER_MANIFEST, layout.COMMIT_MARKER)
+            and f"/{layout.LEASES_DIR}/" not in k
+        }
         if dup:
             res.violations.append(f"data objects uploaded to completion more than once: {dup}")
         res.detail["proxy"] = px.stats.to_dict()
@@ -109,7 +117,7 @@ def _clean(res: TrialResult, what: str, fn):
 
 
 def _prune_one(cold: Tier, run_id: str, res: TrialResult):
-    rep = prune(cold, run_id, build_policy(RetentionPolicy(keep_last=1)))
+    rep = prune(cold, run_id, build_policy(RetentionConfig(keep_last=1)))
     for s, e in rep.errors.items():
         res.notes.append(f"prune of step {s} failed cleanly (retried at the next prune): {e[:200]}")
     return rep

@@ -1,0 +1,147 @@
+"""How a checkpoint becomes trusted on one kind of storage, and stops being trusted.
+
+One rule per kind of tier, behind one interface (after Orbax's ``atomicity`` module), and
+the one definition of "committed" that the trainer (commit, resume), the tiers (``ls``,
+prune, restore, drills), promote and archive all ask:
+
+* :class:`RenameCommit` — file systems (hot, warm). Files are written into
+  ``step_N.tmp/``; renaming it to ``step_N/`` is the commit point (atomic within a file
+  system; the parent is fsynced so it is durable too). **Committed = a ``step_N``
+  directory.** A missing or bad manifest inside one is damage, reported by whoever
+  verifies it — not "uncommitted", which would hide it from ``ls`` and prune.
+* :class:`MarkerCommit` — object stores (cold), which cannot rename. Objects are uploaded
+  in place under ``step_N/``, then ``_COMMITTED`` is written last. **Committed = a step
+  with the marker**, however many of its objects exist.
+
+Withdrawing — the first act of a delete — makes a step uncommitted before any of its
+bytes go, so a crash mid-delete never leaves a half that looks committed: the rename
+rule renames ``step_N`` to ``step_N.deleting``, the marker rule removes the marker.
+
+URLs are plain "/"-joined strings (``trainer.layout``); the marker rule works over any
+fsspec-like file system object it is given, and imports none.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Protocol
+
+from ckptflow.trainer import layout
+from ckptflow.trainer.errors import StorageError
+from ckptflow.trainer.fsutil import fsync_dir, remove_tree, rename_durable
+
+DELETING_SUFFIX = ".deleting"
+"""A step dir being deleted on a file system: never committed, removed by ``clean_stale``."""
+
+
+class CommitRule(Protocol):
+    kind: str
+    """``"rename"`` or ``"marker"``."""
+
+    def staging_url(self, run_url: str, step: int) -> str:
+        """Where a checkpoint's files are written before its commit."""
+        ...
+
+    def committed_steps(self, run_url: str) -> list[int]:
+        """Committed steps of the run, newest first ([] if the run does not exist)."""
+        ...
+
+    def is_committed(self, run_url: str, step: int) -> bool: ...
+
+    def commit(self, run_url: str, step: int, *, marker: bytes = b"") -> str:
+        """The commit point (everything staged must be durable already); returns the step's URL."""
+        ...
+
+    def withdraw(self, run_url: str, step: int) -> str | None:
+        """Make a committed step uncommitted; returns what is left to remove (None: nothing)."""
+        ...
+
+
+class RenameCommit:
+    """Commit by renaming ``step_N.tmp`` to ``step_N`` on a local or shared file system."""
+
+    kind = "rename"
+
+    def staging_url(self, run_url: str, step: int) -> str:
+        return layout.join(run_url, layout.tmp_name(step))
+
+    def committed_steps(self, run_url: str) -> list[int]:
+        try:
+            names = os.listdir(run_url)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        steps = [
+            s for n in names if (s := layout.parse_step(n)) is not None and os.path.isdir(os.path.join(run_url, n))
+        ]
+        return sorted(steps, reverse=True)
+
+    def is_committed(self, run_url: str, step: int) -> bool:
+        return os.path.isdir(layout.join(run_url, layout.step_name(step)))
+
+    def commit(self, run_url: str, step: int, *, marker: bytes = b"") -> str:
+        tmp, final = self.staging_url(run_url, step), layout.join(run_url, layout.step_name(step))
+        if os.path.lexists(final):
+            # rename(2) would silently replace an *empty* directory: never let a commit
+            # replace anything; the caller decides what a second copy of a step means.
+            raise StorageError(f"{final} already exists; a committed checkpoint is never replaced")
+        fsync_dir(tmp)  # every staged file's entry is durable before the rename vouches for it
+        rename_durable(tmp, final)
+        return final
+
+    def withdraw(self, run_url: str, step: int) -> str | None:
+        final = layout.join(run_url, layout.step_name(step))
+        if not os.path.isdir(final):
+            return None
+        doomed = final + DELETING_SUFFIX
+        if os.path.lexists(doomed):  # an earlier delete crashed after its rename
+            remove_tree(doomed)
+        rename_durable(final, doomed)
+        return doomed
+
+    @staticmethod
+    def is_leftover(name: str) -> bool:
+        """A staging or half-deleted step dir: never trusted, safe to remove once old."""
+        if layout.parse_tmp_step(name) is not None:
+            return True
+        return name.endswith(DELETING_SUFFIX) and layout.parse_step(name[: -len(DELETING_SUFFIX)]) is not None
+
+
+class MarkerCommit:
+    """Commit by writing ``_COMMITTED`` last, on an object store (``fs``: fsspec-like)."""
+
+    kind = "marker"
+
+    def __init__(self, fs: Any) -> None:
+        self.fs = fs
+
+    def staging_url(self, run_url: str, step: int) -> str:
+        return layout.join(run_url, layout.step_name(step))
+
+    def marker_url(self, run_url: str, step: int) -> str:
+        return layout.join(run_url, layout.step_name(step), layout.COMMIT_MARKER)
+
+    def committed_steps(self, run_url: str) -> list[int]:
+        try:
+            hits = self.fs.glob(layout.join(run_url, layout.STEP_PREFIX + "*", layout.COMMIT_MARKER))
+        except FileNotFoundError:
+            return []
+        steps = {s for h in hits if (s := layout.parse_step(h.rstrip("/").rsplit("/", 2)[-2])) is not None}
+        return sorted(steps, reverse=True)
+
+    def is_committed(self, run_url: str, step: int) -> bool:
+        return bool(self.fs.exists(self.marker_url(run_url, step)))
+
+    def commit(self, run_url: str, step: int, *, marker: bytes = b"") -> str:
+        self.fs.pipe_file(self.marker_url(run_url, step), marker)
+        return self.staging_url(run_url, step)
+
+    def withdraw(self, run_url: str, step: int) -> str | None:
+        try:
+            self.fs.rm_file(self.marker_url(run_url, step))
+        except FileNotFoundError:
+            pass
+        return self.staging_url(run_url, step)
+
+
+RENAME = RenameCommit()
+"""The rule of every local tier (the trainer's hot root among them)."""
