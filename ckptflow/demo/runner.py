@@ -84,7 +84,7 @@ def _wait_lifecycles(steps: list[int], timeout: float, say: Callable[[str], None
 
 def _checkpoint_rows(cfg_path: str, run_path: str, steps: list[int]) -> list[dict]:
     from ckptflow.tasks.config import load_config
-    from ckptflow.tasks.stages import RECORDS, stage_records
+    from ckptflow.tasks.stages import RECORDS, VERIFY, stage_records
     from ckptflow.tasks.storage import Tier
 
     cfg = load_config(cfg_path)
@@ -100,7 +100,7 @@ def _checkpoint_rows(cfg_path: str, run_path: str, steps: list[int]) -> list[dic
                 if idx is not None:
                     row["stored"][name] = idx.total_stored_bytes
         st = stage_records(run_path, s)
-        v = st.get("verified")
+        v = st.get(VERIFY.record)
         row["verified"] = bool(v)
         row["probe"] = (v or {}).get("sanity", {}).get("probe_match")
         row["quarantined"] = (st.get("quarantined") or {}).get("reasons")
