@@ -38,9 +38,9 @@ def main() -> int:
     prefix = os.path.relpath(root, REPO) + os.sep
     for line in out.splitlines():
         if line.startswith(prefix):
-            rest = line[len(prefix):]
+            rest = line[len(prefix) :]
             top = rest.split(os.sep, 1)[0]
-            line = (LAYERS[top] + rest[len(top):]) if top in LAYERS else os.path.join("ckptflow", rest)
+            line = (LAYERS[top] + rest[len(top) :]) if top in LAYERS else os.path.join("ckptflow", rest)
         print(line)
     if err:
         print(err, file=sys.stderr)

@@ -31,6 +31,7 @@ import urllib.parse
 import urllib.request
 from datetime import timedelta
 from typing import Any
+from uuid import UUID
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ def _templates() -> dict[str, tuple[str, str]]:
 def _triggers(stall_after_s: float) -> dict[str, Any]:
     from prefect.events.schemas.automations import EventTrigger, Posture
 
-    ckpt = {"prefect.resource.id": "ckptflow.checkpoint.*"}
+    ckpt: dict[str, str | list[str]] = {"prefect.resource.id": "ckptflow.checkpoint.*"}
     return {
         "lifecycle run failed or crashed": EventTrigger(
             expect={"prefect.flow-run.Failed", "prefect.flow-run.Crashed"},
@@ -135,18 +136,20 @@ def setup_alerts(webhook_url: str, *, stall_after_s: float = 3600.0, allow_priva
     from prefect.blocks.notifications import CustomWebhookNotificationBlock
     from prefect.events.actions import SendNotification
 
-    block = CustomWebhookNotificationBlock(
+    # Prefect gives headers/cookies their default positionally (Field(None, ...)), which mypy does not see
+    block = CustomWebhookNotificationBlock(  # type: ignore[call-arg]
         name="ckptflow",
         url=webhook_url,
         method="POST",
         json_data={"subject": "{{subject}}", "body": "{{body}}", "source": "ckptflow"},
         allow_private_urls=_private(webhook_url) if allow_private is None else allow_private,
     )
-    block_id = block.save(BLOCK_NAME, overwrite=True)
+    # Prefect's async_dispatch types the result as UUID | Coroutine; called from sync code, it is the UUID
+    block_id: UUID = block.save(BLOCK_NAME, overwrite=True)  # type: ignore[assignment]
     texts, triggers = _templates(), _triggers(stall_after_s)
     from prefect.client.orchestration import get_client
 
-    out = {"block": str(block_id), "automations": {}}
+    out: dict[str, Any] = {"block": str(block_id), "automations": {}}
     with get_client(sync_client=True) as c:
         for old in c.read_automations():
             if old.name.startswith(PREFIX):
@@ -160,7 +163,7 @@ def setup_alerts(webhook_url: str, *, stall_after_s: float = 3600.0, allow_priva
             trigger=trig,
             actions=[SendNotification(block_document_id=block_id, subject=subject, body=body)],
         ).create()
-        out["automations"][name] = str(a.id)
+        out["automations"][name] = str(a.id)  # type: ignore[union-attr]  # sync create() returns the Automation
     return out
 
 

@@ -22,7 +22,7 @@ import enum
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefect import flow, get_run_logger
 
@@ -33,6 +33,9 @@ from ckptflow.tasks.heartbeat import heartbeat_alive, read_heartbeat
 from ckptflow.tasks.stages import finished, stage_for_tier
 from ckptflow.tasks.storage import Tier
 from ckptflow.trainer import commit, events, layout
+
+if TYPE_CHECKING:
+    from prefect.client.schemas import OrchestrationResult
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,10 +124,11 @@ def mark_crashed(flow_run_id: str, why: str) -> None:
         with get_client(sync_client=True) as c:
             # Read back: a transition the server did not take would leave the run showing
             # RUNNING forever, which misleads people and the next reconcile alike.
-            res = None
+            res: OrchestrationResult[Any] | None = None
             for attempt in range(3):
                 res = c.set_flow_run_state(flow_run_id, Crashed(message=why), force=True)
-                state = c.read_flow_run(flow_run_id).state_type
+                # the id only goes into the URL; a str works (set_flow_run_state takes UUID | str)
+                state = c.read_flow_run(flow_run_id).state_type  # type: ignore[arg-type]
                 if state is not None and state.value == "CRASHED":
                     return
                 time.sleep(0.5 * (attempt + 1))

@@ -384,7 +384,7 @@ def _build(cls: type, table: Any, where: str, source: str) -> Any:
 
 
 def _type_ok(value: Any, hint: Any) -> bool:
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return isinstance(value, hint)
     args = typing.get_args(hint)
     if typing.get_origin(hint) in (typing.Union, types.UnionType):

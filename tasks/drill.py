@@ -103,6 +103,7 @@ def drill_one(
         if not v.ok:
             res.failure = f"verify: {v.problems[0]}"
             return res
+        assert v.manifest is not None  # ok implies the manifest was read
         res.saved_world_size = v.manifest.world_size
         res.world_size = other_world_size(v.manifest.world_size, world_size)
         ts = time.perf_counter()

@@ -84,7 +84,8 @@ def validate(
     df = stats_frame(stats, prev_stats, step=step, prev_step=prev_step)
     ctx = gx.get_context(mode="ephemeral")
     try:
-        ctx.variables.progress_bars = {"globally": False}
+        # GX reads this setting as a mapping (Validator._determine_progress_bars); its setter is annotated narrower
+        ctx.variables.progress_bars = {"globally": False}  # type: ignore[assignment]
     except Exception:  # older/newer GX: cosmetic only
         pass
     batch = (

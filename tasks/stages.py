@@ -133,6 +133,7 @@ def _verify(ref: CheckpointRef) -> Done:
     from ckptflow.tasks.verify import verify
 
     lc = ref.cfg.lifecycle
+    assert lc.expectations is not None  # LifecycleConfig.__post_init__ resolves None to sanity_step
     out = verify(ref, sanity_step=lc.sanity_step, expectations=lc.expectations, max_norm_change=lc.max_norm_change)
     return Done(out.to_dict(), ok=out.ok)
 

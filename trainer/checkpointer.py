@@ -171,11 +171,12 @@ class CheckpointManager:
             os.makedirs(self.run_path, exist_ok=True)
             commit.clean_stale_tmp(self.run_path)
         dist.barrier(group=self.env.ckpt_group)
-        self._saver = AsyncSaver(
+        self._saver = saver = AsyncSaver(
             rank=self.env.rank, ckpt_group=self.env.ckpt_group, mode=cfg.async_mode, writer_threads=cfg.writer_threads
         )
         # Snapshot consistency: the staged copy must exist before parameters change.
-        self._hook = optimizer.register_step_pre_hook(lambda *_a, **_k: self._saver.wait_for_staging())
+        # (close() removes the hook before it drops the saver, so the hook always sees this one.)
+        self._hook = optimizer.register_step_pre_hook(lambda *_a, **_k: saver.wait_for_staging())
 
     # -- public API -------------------------------------------------------------------
     def load(self) -> int:
@@ -247,6 +248,7 @@ class CheckpointManager:
             build_manifest=lambda files: self._manifest(step, files, metrics, probe_loss, next_lr),
             on_committed=self._on_committed,
         )
+        assert self._saver is not None  # save() gets here only when cfg.enabled, and then __init__ made the saver
         self._timings.append(self._saver.submit(state, req))
 
     def _manifest(

@@ -76,7 +76,7 @@ def is_quarantined(run_path: str, step: int) -> bool:
 
 def clean_stale_tmp(run_path: str) -> list[str]:
     """Remove ``step_*.tmp`` dirs left by crashed saves. Call before any save starts."""
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(run_path)
     except FileNotFoundError:

@@ -136,6 +136,7 @@ class EventSender:
         self._q.put(event)
 
     def _run(self) -> None:
+        assert self.api_url is not None  # only send() starts this thread, and only when enabled (api_url set)
         while (ev := self._q.get()) is not None:
             for i in range(self.attempts):
                 try:

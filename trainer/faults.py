@@ -46,6 +46,7 @@ def parse(text: str) -> list[FaultSpec]:
     for item in filter(None, (s.strip() for s in text.split(","))):
         head, *quals = item.split(":")
         phase, _, step = head.partition("@")
+        attempt: int | None
         rank, attempt, sleep = None, 0, None
         for q in quals:
             if q.startswith("rank"):

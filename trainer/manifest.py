@@ -118,12 +118,12 @@ class Manifest:
         _authenticate(d, source, key if key is not None else signing_key())
         try:
             files = {}
-            for name, e in d["files"].items():
+            for name, entry in d["files"].items():
                 try:
                     layout.check_member_name(name)
                 except UnsafePathError as err:
                     raise UnsafePathError(f"{source}: {err}", path=source) from None
-                size, checksum = e["size"], e["checksum"]
+                size, checksum = entry["size"], entry["checksum"]
                 if not isinstance(size, int) or size < 0 or not isinstance(checksum, str):
                     raise ValueError(f"bad entry for {name!r}")
                 files[name] = FileEntry(size, checksum)
@@ -199,7 +199,8 @@ def _key_from_block(name: str) -> str:
     try:
         from prefect.blocks.system import Secret
 
-        value = Secret.load(name, _sync=True).value.get_secret_value()
+        # async_dispatch pops the _sync kwarg its stub does not declare, and types the result as X | Coroutine
+        value = Secret.load(name, _sync=True).value.get_secret_value()  # type: ignore[call-arg, union-attr]
     except Exception as e:  # the block's value never appears in the message
         raise ConfigError(
             f"{KEY_BLOCK_ENV}: cannot read the Prefect Secret block {name!r} "

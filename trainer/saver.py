@@ -256,6 +256,7 @@ class AsyncSaver:
             )
             outcome: list = [None]
             if self.rank == 0:
+                assert gathered is not None  # allocated above on rank 0
                 outcome[0] = self._coordinate(gathered, req)
             dist.broadcast_object_list(outcome, src=0, group=self.group)
             timing.committed_s = time.perf_counter() - t0

@@ -198,6 +198,7 @@ class Campaign:
                 raise HarnessError(f"the no-Prefect baseline run failed (rc={r.rc}); see {r.log_path}")
             self._train_baseline = r.summary()
             shutil.rmtree(root, ignore_errors=True)
+        assert self._train_baseline is not None  # r.summary() was checked above (same output, same answer)
         return self._train_baseline
 
     def prefect(self) -> PrefectServer:

@@ -28,7 +28,7 @@ from ckptflow.tasks.transfer import fetch, restore
 from ckptflow.trainer import commit, layout
 from ckptflow.trainer.atomicity import DELETING_SUFFIX
 from ckptflow.trainer.errors import CkptflowError
-from ckptflow.trainer.resume import find_resume_point
+from ckptflow.trainer.resume import ResumeReport, find_resume_point
 from ckptflow.trainer.verify import verify_checkpoint
 
 
@@ -122,7 +122,7 @@ def restore_check(tiers: Sequence[Tier], scratch: Scratch) -> RestoreOutcome:
         shutil.rmtree(dst, ignore_errors=True)
 
 
-def resume_problem(run_path: str, expect: int | None) -> tuple[str | None, object]:
+def resume_problem(run_path: str, expect: int | None) -> tuple[str | None, ResumeReport]:
     rep = find_resume_point(run_path)
     got = rep.chosen.step if rep.chosen else None
     if got != expect:

@@ -21,6 +21,7 @@ import dataclasses
 import os
 import shutil
 from dataclasses import dataclass, field
+from typing import Any
 
 from ckptflow.tasks.config import CkptflowConfig, load_config
 from ckptflow.tasks.storage import Tier
@@ -211,5 +212,5 @@ def committed_by_tier(scratch: Scratch) -> dict[str, list[int]]:
     return {t.name: t.committed_steps(scratch.run_id) for t in scratch.tiers()}
 
 
-def replace_style(style: Style, **kw: object) -> Style:
+def replace_style(style: Style, **kw: Any) -> Style:
     return dataclasses.replace(style, **kw)

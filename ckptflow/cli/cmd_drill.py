@@ -91,6 +91,7 @@ def drill(
         raise result  # config/storage errors: one line and their exit code (flows.cli.errors)
     ok = not isinstance(result, BaseException)
     if ok:
+        assert not isinstance(result, BaseException)  # that is what ok says
         run = result["runs"][run_id]
         results, plot = run["results"], run["plot"]
     else:

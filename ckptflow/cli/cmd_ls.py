@@ -6,11 +6,14 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from ckptflow.cli.common import config_option, json_option, one_line_errors
+
+if TYPE_CHECKING:
+    from rich.console import JustifyMethod
 
 
 @dataclass(slots=True)
@@ -190,6 +193,7 @@ def _table(cfg: Any, rows: list[Row], layout: Any) -> None:
         return
     names = [t.name for t in cfg.tiers()]
     tbl = Table(title=f"checkpoints ({cfg.source})", title_justify="left")
+    just: JustifyMethod
     for col, just in (("run", "left"), ("step", "right"), ("tiers", "left"), ("raw", "right")):
         tbl.add_column(col, justify=just, no_wrap=True)
     for n in names:

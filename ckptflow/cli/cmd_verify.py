@@ -38,6 +38,7 @@ def verify(
         )
     elif res.ok:
         m = res.manifest
+        assert m is not None  # ok implies the manifest was read
         mbps = res.bytes_checked / max(res.seconds, 1e-9) / 1e6
         print(
             f"OK {path}: step {m.step}, {len(m.files)} files, {res.bytes_checked} bytes "

@@ -20,12 +20,15 @@ import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ckptflow.demo import services
 from ckptflow.demo.training import run_training
 from ckptflow.harness import Supervisor, wait_deployments
 from ckptflow.trainer import layout
+
+if TYPE_CHECKING:
+    from prefect.client.schemas.objects import StateType
 
 RUN_ID = "demo"
 BUCKET = "ckptflow-demo"
@@ -63,7 +66,8 @@ def _lifecycle_states() -> dict[str, str]:
         runs = c.read_flow_runs(
             flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=f"lifecycle-{RUN_ID}-step")), limit=200
         )
-    return {r.name: r.state_type.value for r in runs}
+    # a deployment's flow runs are created Scheduled, so each one the server lists has a state
+    return {r.name: cast("StateType", r.state_type).value for r in runs}
 
 
 def _wait_lifecycles(steps: list[int], timeout: float, say: Callable[[str], None]) -> dict[str, str]:

@@ -46,6 +46,18 @@ class CodecStats:
         return self.raw_bytes / max(self.seconds, 1e-9) / 1e6
 
 
+class Reader(Protocol):
+    """What :func:`read_full` needs of a stream: ``read(n)``."""
+
+    def read(self, n: int, /) -> bytes: ...
+
+
+class Writer(Protocol):
+    """What a decoder needs of its destination: ``write`` (``flush`` is used when present)."""
+
+    def write(self, b: bytes | bytearray | memoryview, /) -> object: ...
+
+
 @runtime_checkable
 class Codec(Protocol):
     name: str
@@ -65,7 +77,7 @@ class Codec(Protocol):
     ) -> CodecStats: ...
 
     def decompress(
-        self, src: BinaryIO, dst: BinaryIO, *, threads: int | None = None, name: str | None = None
+        self, src: BinaryIO, dst: Writer, *, threads: int | None = None, name: str | None = None
     ) -> CodecStats: ...
 
 
@@ -80,7 +92,7 @@ def default_threads(threads: int | None) -> int:
     return threads
 
 
-def read_full(f: BinaryIO, n: int) -> bytes:
+def read_full(f: Reader, n: int) -> bytes:
     """Up to ``n`` bytes; fewer only at end of stream (network streams return short reads)."""
     parts = []
     while n > 0:
@@ -114,7 +126,7 @@ class HashingReader:
 class HashingWriter:
     """Wraps a writable stream: counts and hashes everything written through it."""
 
-    def __init__(self, f: BinaryIO) -> None:
+    def __init__(self, f: Writer) -> None:
         self._f = f
         self._h = new_hasher()
         self.count = 0

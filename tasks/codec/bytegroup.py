@@ -34,7 +34,7 @@ import xxhash
 import zstandard
 
 from ckptflow.tasks.codec import container as ckz
-from ckptflow.tasks.codec.base import CodecStats, HashingReader, HashingWriter, default_threads, read_full
+from ckptflow.tasks.codec.base import CodecStats, HashingReader, HashingWriter, Writer, default_threads, read_full
 from ckptflow.tasks.codec.dtypemap import DtypeMap
 from ckptflow.tasks.codec.grouping import KINDS, PLAIN, merge, split
 from ckptflow.tasks.codec.plain import check_level
@@ -150,7 +150,7 @@ class BytegroupCodec:
     # ---- decompress ---------------------------------------------------------------
 
     def decompress(
-        self, src: BinaryIO, dst: BinaryIO, *, threads: int | None = None, name: str | None = None
+        self, src: BinaryIO, dst: Writer, *, threads: int | None = None, name: str | None = None
     ) -> CodecStats:
         t0 = time.perf_counter()
         nthreads = default_threads(threads)
@@ -250,7 +250,7 @@ class BytegroupCodec:
         return CodecStats(raw_total, inp.count, raw_hash.hexdigest(), inp.hexdigest(), time.perf_counter() - t0)
 
 
-def _write_parts(out: HashingWriter, parts: list[bytes]) -> None:
+def _write_parts(out: HashingWriter, parts: list[bytes | memoryview]) -> None:
     for p in parts:
         out.write(p)
 
@@ -324,7 +324,7 @@ class _Cutter:
 
 def _encode_chunk(
     index: int, raw_offset: int, buf: bytes, segments: list[tuple[int, int]], level: int, exp_level: int | None
-) -> list[bytes]:
+) -> list[bytes | memoryview]:
     """Header + body parts of one chunk (runs on a worker thread)."""
     arr = np.frombuffer(buf, np.uint8)
     parts: dict[int, list[np.ndarray]] = {k: [] for k in KINDS}
@@ -332,7 +332,7 @@ def _encode_chunk(
     for kind, n in segments:
         parts[kind].append(arr[pos : pos + n])
         pos += n
-    streams: list[tuple[int, bytes]] = []
+    streams: list[tuple[int, bytes | memoryview]] = []
     for kind in KINDS:
         if not parts[kind]:
             continue
@@ -353,7 +353,8 @@ def _encode_chunk(
 
 
 def _pack_stream(data: np.ndarray, level: int | None) -> tuple[int, memoryview | bytes]:
-    raw = memoryview(np.ascontiguousarray(data))
+    # numpy's stub declares ndarray.__buffer__ only for Python >= 3.12 (we check as 3.11)
+    raw = memoryview(np.ascontiguousarray(data))  # type: ignore[arg-type]
     z = _compressor(level).compress(raw)
     if len(z) >= data.size:
         return ckz.METHOD_RAW, raw  # incompressible (mantissas): stored as they are
@@ -393,7 +394,7 @@ def _decode_chunk(head: ckz.ChunkHeader, body: bytes, name: str | None, at: int)
     decoded: list[np.ndarray] = []
     for (method, data), (_, n) in zip(streams, expected, strict=True):
         if method == ckz.METHOD_RAW:
-            out = data  # a view into the body: no copy
+            out: bytes | memoryview = data  # a view into the body: no copy
         elif method == ckz.METHOD_ZSTD:
             try:
                 out = _decompressor().decompress(data, max_output_size=n)
@@ -425,6 +426,7 @@ def _decode_chunk(head: ckz.ChunkHeader, body: bytes, name: str | None, at: int)
         raw[pos : pos + n] = groups[kind][cursor[kind] : cursor[kind] + n]
         cursor[kind] += n
         pos += n
-    if xxhash.xxh3_128(raw).digest() != head.raw_digest:
+    # numpy's stub declares ndarray.__buffer__ only for Python >= 3.12 (we check as 3.11)
+    if xxhash.xxh3_128(raw).digest() != head.raw_digest:  # type: ignore[arg-type]
         raise bad("decoded bytes do not match the chunk's raw digest")
-    return memoryview(raw)
+    return memoryview(raw)  # type: ignore[arg-type]  # ndarray is a buffer (see above)

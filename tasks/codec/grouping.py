@@ -34,7 +34,7 @@ WIDTHS = (2, 4, 8)
 """Segment kinds that are grouped: the element width in bytes."""
 KINDS = (PLAIN, *WIDTHS)
 
-_WORD = {2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+_WORD: dict[int, np.dtype[np.unsignedinteger]] = {2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 
 # dtype name (as torch prints it, without "torch.") -> element width to group by.
 # Complex numbers are pairs of floats of half their size.

@@ -19,7 +19,15 @@ from typing import TYPE_CHECKING, BinaryIO
 
 import zstandard
 
-from ckptflow.tasks.codec.base import CodecStats, HashingReader, HashingWriter, default_threads, read_full, where
+from ckptflow.tasks.codec.base import (
+    CodecStats,
+    HashingReader,
+    HashingWriter,
+    Writer,
+    default_threads,
+    read_full,
+    where,
+)
 from ckptflow.trainer.errors import CodecError, ConfigError
 
 if TYPE_CHECKING:
@@ -60,12 +68,12 @@ class NoneCodec:
         return _copy(src, dst)
 
     def decompress(
-        self, src: BinaryIO, dst: BinaryIO, *, threads: int | None = None, name: str | None = None
+        self, src: BinaryIO, dst: Writer, *, threads: int | None = None, name: str | None = None
     ) -> CodecStats:
         return _copy(src, dst)
 
 
-def _copy(src: BinaryIO, dst: BinaryIO) -> CodecStats:
+def _copy(src: BinaryIO, dst: Writer) -> CodecStats:
     t0 = time.perf_counter()
     out = HashingWriter(dst)
     while True:
@@ -101,12 +109,13 @@ class ZstdCodec:
             level=check_level(level, self.default_level), threads=n if n > 1 else 0, write_checksum=True
         )
         reader, writer = HashingReader(src), HashingWriter(dst)
-        cctx.copy_stream(reader, writer, read_size=COPY_BLOCK, write_size=COPY_BLOCK)
+        # zstandard only calls read()/write() on these; its stub asks for IO[bytes]
+        cctx.copy_stream(reader, writer, read_size=COPY_BLOCK, write_size=COPY_BLOCK)  # type: ignore[arg-type]
         writer.flush()
         return CodecStats(reader.count, writer.count, reader.hexdigest(), writer.hexdigest(), time.perf_counter() - t0)
 
     def decompress(
-        self, src: BinaryIO, dst: BinaryIO, *, threads: int | None = None, name: str | None = None
+        self, src: BinaryIO, dst: Writer, *, threads: int | None = None, name: str | None = None
     ) -> CodecStats:
         t0 = time.perf_counter()
         reader, writer = HashingReader(src), HashingWriter(dst)
@@ -157,7 +166,12 @@ def _truncated(name: str | None, offset: int, what: str) -> CodecError:
 
 def _decode_frame(magic: bytes, reader: HashingReader, writer: HashingWriter, name: str | None) -> None:
     """Feed one frame to a streaming decoder, block by block, requiring its last block."""
-    dec = zstandard.ZstdDecompressor().stream_writer(writer, write_size=COPY_BLOCK, closefd=False)
+    # zstandard only calls write() (and flush) on the writer; its stub asks for IO[bytes]
+    dec = zstandard.ZstdDecompressor().stream_writer(
+        writer,  # type: ignore[arg-type]
+        write_size=COPY_BLOCK,
+        closefd=False,
+    )
     fhd = _need(reader, 1, name, "a frame header")
     d = fhd[0]
     fcs_flag, single, has_checksum, dict_flag = d >> 6, (d >> 5) & 1, (d >> 2) & 1, d & 3

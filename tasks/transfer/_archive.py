@@ -26,6 +26,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ckptflow.tasks.storage.index import StoredFile, TierIndex, marker_json
 from ckptflow.tasks.storage.s3 import META_CODEC, META_LEVEL, META_RAW, META_RAW_SIZE, META_STORED, ObjectInfo
@@ -36,6 +37,9 @@ from ckptflow.tasks.transfer.results import FaultHook, TransferResult, no_fault
 from ckptflow.trainer import layout
 from ckptflow.trainer.checksum import hash_bytes, hash_file
 from ckptflow.trainer.errors import ConfigError, IntegrityError, ManifestError, StorageError
+
+if TYPE_CHECKING:
+    from ckptflow.tasks.codec import DtypeMap
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +76,7 @@ def archive(
             f"tier {cold.name} ({cold.url}) is not an s3:// tier; archive needs S3 "
             "(storage class, multipart, object metadata)"
         )
+    s3 = cold.s3  # checked above; the lambdas below cannot see that narrowing
     ckpt = src.open_checkpoint(run_id, step)
     uri = cold.url_for(run_id, step)
     res = TransferResult(uri=uri, run_id=run_id, step=step, codec=cold.codec, bytes_raw=ckpt.manifest.total_bytes)
@@ -86,7 +91,7 @@ def archive(
     te = time.perf_counter()
     workers = max(1, min(threads or 4, len(plans)))
     nhead = min(16, cold.config.max_concurrency)
-    heads = dict(zip([p.name for p in plans], run_all(lambda p: cold.s3.head(p.url), plans, nhead), strict=True))
+    heads = dict(zip([p.name for p in plans], run_all(lambda p: s3.head(p.url), plans, nhead), strict=True))
     files: dict[str, StoredFile] = {}
     todo = []
     for p in plans:
@@ -114,7 +119,7 @@ def archive(
 
     # 2. every object present with the right size and digests, before anything vouches for it
     tv = time.perf_counter()
-    after = run_all(lambda p: cold.s3.head(p.url), plans, nhead)
+    after = run_all(lambda p: s3.head(p.url), plans, nhead)
     for p, info in zip(plans, after, strict=True):
         if _matching(info, ckpt, p, cold.codec) != files[p.name]:
             raise StorageError(
@@ -190,7 +195,7 @@ def _upload(
     p: _Plan,
     manager: object,
     spool: str,
-    dtype_map: object,
+    dtype_map: DtypeMap | None,
     fault: FaultHook,
 ) -> StoredFile:
     entry = ckpt.index.files[p.name]
@@ -243,6 +248,7 @@ def _put(
         META_LEVEL: "" if level is None else str(level),
     }
     tags = {"ckptflow-run": ckpt.run_id, "ckptflow-step": str(ckpt.step)}
+    assert cold.s3 is not None  # archive() checked it before uploading anything
     cold.s3.upload(manager, path, p.url, cold.s3.upload_args(metadata=meta, tags=tags))
 
 
@@ -263,6 +269,7 @@ def _check_committed(cold: Tier, ckpt: StoredCheckpoint, uri: str) -> TransferRe
             "purpose (prune) if the source is the one to keep",
             path=there.uri,
         )
+    assert cold.s3 is not None  # archive() checked it before calling this
     missing = [
         n
         for n, f in there.index.files.items()

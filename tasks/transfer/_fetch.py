@@ -137,6 +137,7 @@ def _download(
                 else:
                     _copy_reporting(url, dest, progress)
             elif loader is not None:
+                assert tier.s3 is not None  # a loader exists only when the tier has S3 (manager above)
                 tier.s3.download(loader, url, dest)
             else:
                 tier.fs.get_file(url, dest)

@@ -20,12 +20,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from ckptflow.tasks.storage.leases import acquire_lease
 from ckptflow.tasks.storage.tier import Tier
 from ckptflow.tasks.transfer._fetch import fetch
 from ckptflow.tasks.transfer.results import RestoreResult, Skipped
 from ckptflow.trainer.errors import CheckpointNotFoundError, CkptflowError, CodecError, IntegrityError
+
+if TYPE_CHECKING:
+    from types import TracebackType
 
 log = logging.getLogger(__name__)
 
@@ -110,9 +114,11 @@ class _lease:
         except OSError as e:
             log.warning("could not take a lease (%s); reading without one", type(e).__name__)
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if self._held:
-            self._cm.__exit__(*exc)
+            self._cm.__exit__(exc_type, exc, tb)
 
 
 class _Counted:

@@ -21,7 +21,7 @@ import queue
 import threading
 from typing import BinaryIO
 
-from ckptflow.tasks.codec import Codec, CodecStats, get_codec
+from ckptflow.tasks.codec import Codec, CodecStats, DtypeMap, get_codec
 from ckptflow.tasks.storage.tier import StoredCheckpoint, Tier
 from ckptflow.trainer import layout
 from ckptflow.trainer.checksum import hash_file, new_hasher
@@ -53,7 +53,7 @@ def encode_file(
     codec: str,
     level: int | None,
     threads: int | None,
-    dtype_map: object = None,
+    dtype_map: DtypeMap | None = None,
 ) -> CodecStats:
     """Write file ``name`` of ``ckpt`` to ``dst`` in ``codec``'s stored form; see module doc."""
     entry = ckpt.index.files[name]
@@ -220,7 +220,7 @@ def decode_verify(path: str, codec: str, size: int, checksum: str, threads: int 
     """Decode a written file and compare the raw digest with the manifest (deep verify)."""
 
     class _Null:
-        def write(self, b: bytes) -> int:
+        def write(self, b: bytes | bytearray | memoryview) -> int:
             return len(b)
 
     with open(path, "rb") as f:
@@ -231,7 +231,7 @@ def decode_verify(path: str, codec: str, size: int, checksum: str, threads: int 
     check_raw(stats, size, checksum, path, "destination")
 
 
-def dtype_maps(src: Tier, ckpt: StoredCheckpoint, codec: str) -> dict[str, object]:
+def dtype_maps(src: Tier, ckpt: StoredCheckpoint, codec: str) -> dict[str, DtypeMap]:
     """Dtype maps for tensor-aware codecs, when the source holds raw files on local disk.
 
     DCP's ``.metadata`` is checked against the manifest before it is parsed. Without maps

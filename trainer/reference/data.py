@@ -76,6 +76,7 @@ class GlobalSampler:
         if self._perm_epoch != self.epoch:
             rng = np.random.Generator(np.random.PCG64([self.cfg.seed, self.epoch]))
             self._perm, self._perm_epoch = rng.permutation(self.cfg.num_samples), self.epoch
+        assert self._perm is not None  # built above on the first call: _perm_epoch starts at -1, epochs at 0
         return self._perm
 
     def next_indices(self) -> np.ndarray:

@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 import time
+from typing import cast
 
 import torch.distributed as dist
 
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     for step in range(start + 1, args.max_steps + 1):
         tokens = sampler.next_batch()
-        lr = b.scheduler.get_last_lr()[0]
+        lr = cast(float, b.scheduler.get_last_lr()[0])  # a float: build() gives the optimizer a float lr
         loss = lm_loss(b.model, tokens)
         loss.backward()
         b.optimizer.step()  # waits for checkpoint staging first (pre-hook)

@@ -79,7 +79,8 @@ def run(camp: Campaign, tp: TrialPlan) -> TrialResult:
             prob, rep = checks.resume_problem(sc.run_path, expect)
             if prob:
                 res.undetected.append(prob)
-            elif p["damage"] == "stale_latest" and rep.latest_was == rep.chosen.step:
+            # no problem: resume chose step `expect`, so rep.chosen is set (the check only narrows it)
+            elif p["damage"] == "stale_latest" and rep.chosen is not None and rep.latest_was == rep.chosen.step:
                 res.undetected.append("resume did not notice that latest is stale")
         t0 = time.monotonic()
         for name in damaged:
