@@ -122,6 +122,29 @@ def kill_group(proc: subprocess.Popen) -> None:
     proc.wait(30)
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children first found, then theirs)."""
+    out, todo = [], [pid]
+    while todo:
+        kids = children_of(todo.pop())
+        out += kids
+        todo += kids
+    return out
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a child, its session and every process below it — torchrun starts each worker
+    in a session of its own, so killing the agent's group alone leaves the workers running."""
+    below = descendants(proc.pid)
+    for pid in [proc.pid, *below]:
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    proc.wait(30)
+
+
 def children_of(pid: int) -> list[int]:
     """Direct children of ``pid`` (Linux /proc)."""
     out = []
@@ -406,3 +429,100 @@ def torchrun(
         module,
         *args,
     ]
+
+
+class NodeAgents:
+    """``n`` torchrun agents on this machine acting as ``n`` nodes: one c10d rendezvous on
+    127.0.0.1, and each node its own hot folder (its "local disk"). Every agent runs in its
+    own session, so :meth:`kill` takes a node's agent and workers down together, as a lost
+    node does; :meth:`start` brings a node (back) up — with an emptied folder, a replaced one.
+
+    Ranks are assigned at rendezvous: rank order is not node order.
+    """
+
+    def __init__(
+        self,
+        roots: list[str],
+        module_args: list[str],
+        *,
+        nproc: int = 1,
+        max_restarts: int = 0,
+        module: str = REFERENCE_JOB,
+        env: Mapping[str, str] | None = None,
+        log_dir: str,
+        port: int | None = None,
+    ) -> None:
+        self.roots = [str(r) for r in roots]
+        self.args, self.module, self.nproc, self.max_restarts = list(module_args), module, nproc, max_restarts
+        self.env = child_env(env)
+        self.log_dir = log_dir
+        self.port = port or free_port()
+        self.procs: list[subprocess.Popen | None] = [None] * len(self.roots)
+        self.starts = [0] * len(self.roots)
+        os.makedirs(log_dir, exist_ok=True)
+
+    @property
+    def n(self) -> int:
+        return len(self.roots)
+
+    def command(self, node: int) -> list[str]:
+        return torchrun(
+            self.module,
+            ["--ckpt-root", self.roots[node], *self.args],
+            nproc=self.nproc,
+            max_restarts=self.max_restarts,
+            nnodes=self.n,
+            node_rank=node,
+            rdzv_port=self.port,
+        )
+
+    def log_path(self, node: int) -> str:
+        return os.path.join(self.log_dir, f"node{node}.{self.starts[node]}.log")
+
+    def start(self, node: int | None = None, *, env: Mapping[str, str] | None = None) -> None:
+        for i in range(self.n) if node is None else [node]:
+            self.starts[i] += 1
+            with open(self.log_path(i), "wb") as log:
+                self.procs[i] = subprocess.Popen(
+                    self.command(i),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=dict(self.env, **(env or {})),
+                    start_new_session=True,
+                )
+
+    def wait(self, timeout: float) -> list[int | None]:
+        """Exit codes of every node (None: still running after ``timeout``, then killed)."""
+        deadline = time.monotonic() + timeout
+        out: list[int | None] = []
+        for p in self.procs:
+            if p is None:
+                out.append(None)
+                continue
+            try:
+                out.append(p.wait(max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                kill_tree(p)
+                out.append(None)
+        return out
+
+    def kill(self, node: int) -> None:
+        """SIGKILL the node's agent and every worker: a lost node."""
+        p = self.procs[node]
+        if p is not None and p.poll() is None:
+            kill_tree(p)
+
+    def output(self, node: int) -> str:
+        with open(self.log_path(node), errors="replace") as f:
+            return f.read()
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p is not None and p.poll() is None:
+                kill_tree(p)
+
+    def __enter__(self) -> NodeAgents:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

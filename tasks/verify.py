@@ -106,7 +106,16 @@ def verify(
         )
     out = VerifyOutcome(run_id, step, False)
 
-    integ = verify_checkpoint(ckpt, expect=(run_id, step))
+    integ = verify_checkpoint(ckpt, expect=(run_id, step), part=True)
+    if integ.elsewhere and not integ.problems:
+        # Saved on node-local roots, and this node holds only its part: not a bad checkpoint, one
+        # that cannot be checked from here. Quarantining it would throw a good checkpoint away.
+        raise CheckpointNotFoundError(
+            f"{ckpt} is one node's part of step {step}: {len(integ.elsewhere)} of its files are on other nodes "
+            f"({', '.join(integ.elsewhere[:3])}{' ...' if len(integ.elsewhere) > 3 else ''}); a node-local "
+            "checkpoint is verified where it is whole — run with replicas covering every node, or verify the "
+            "parts together ('ckptflow verify DIR DIR ...'); nothing was quarantined"
+        )
     faults.maybe_crash("verify.integrity", step)
     out.integrity = {
         "ok": integ.ok,

@@ -30,11 +30,13 @@ from ckptflow.trainer import commit, events, layout
 from ckptflow.trainer.checksum import hash_bytes
 from ckptflow.trainer.distenv import DistEnv, init_distributed
 from ckptflow.trainer.errors import ConfigError, SaveError
-from ckptflow.trainer.loader import load_verified
+from ckptflow.trainer.loader import files_read, load_target, load_verified
 from ckptflow.trainer.manifest import FileEntry, Manifest
+from ckptflow.trainer.nodes import not_recoverable_error, recover, resume_point
 from ckptflow.trainer.resume import check_provenance, find_resume_point, no_checkpoint_error
 from ckptflow.trainer.saver import ASYNC_MODES, AsyncSaver, SaveRequest
 from ckptflow.trainer.state import build_save_state, train_state
+from ckptflow.trainer.topology import SCOPES, Topology, discover, single
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +70,21 @@ class CheckpointConfig:
     """Send ``ckptflow.checkpoint.committed`` to Prefect when PREFECT_API_URL is set."""
     event_exit_budget_s: float = 1.0
     """Longest ``close()`` waits for undelivered events (the outbox keeps them anyway)."""
+    hot_scope: str = "auto"
+    """Whether ``root`` is one folder all ranks share or each node's own disk. ``auto`` finds out
+    at start-up (``trainer/topology.py``); ``shared`` or ``node`` say what to expect, and a
+    start-up that finds otherwise fails with the reason. Node-local roots commit in two levels
+    (``trainer/nodes.py``)."""
+    replicas: int = 2
+    """Node-local roots: how many nodes hold each shard file — the node that wrote it and the
+    next ones on a ring — so a lost node loses no checkpoint. 1 turns replication off."""
 
     def __post_init__(self) -> None:
         layout.check_run_id(self.run_id)
+        if self.hot_scope not in SCOPES:
+            raise ConfigError(f"CheckpointConfig.hot_scope={self.hot_scope!r}; choose one of {', '.join(SCOPES)}")
+        if not isinstance(self.replicas, int) or isinstance(self.replicas, bool) or self.replicas < 1:
+            raise ConfigError(f"CheckpointConfig.replicas={self.replicas!r} must be an integer >= 1 (1: no replicas)")
         if not isinstance(self.interval, int) or self.interval < 1:
             raise ConfigError(f"CheckpointConfig.interval={self.interval!r} must be an integer >= 1")
         if self.async_mode not in ASYNC_MODES:
@@ -137,6 +151,24 @@ class LoadResult:
     path: str | None
     skipped: list[tuple[str, str]] = field(default_factory=list)
     mismatches: list[str] = field(default_factory=list)
+    fetched: list[tuple[str, str, str]] = field(default_factory=list)
+    """Node-local roots: (file, from node, to node) for every file brought over the network."""
+
+
+def _agree(cfg: CheckpointConfig, env: DistEnv) -> None:
+    """Every rank must run with the same checkpoint settings: a rank that saves at another
+    interval or into another run would send the others into mismatched collectives."""
+    if env.world_size == 1:
+        return
+    mine = (cfg.run_id, cfg.interval, cfg.async_mode, cfg.hot_scope, cfg.replicas)
+    every: list[Any] = [None] * env.world_size
+    dist.all_gather_object(every, mine, group=env.ckpt_group)
+    if any(e != every[0] for e in every):
+        diff = {r: e for r, e in enumerate(every) if e != every[0]}
+        raise ConfigError(
+            f"ranks disagree on the checkpoint settings (run_id, interval, async_mode, hot_scope, "
+            f"replicas): rank 0 has {every[0]}, but {diff}; start every rank with the same"
+        )
 
 
 class CheckpointManager:
@@ -165,14 +197,39 @@ class CheckpointManager:
         self._saver: AsyncSaver | None = None
         self._timings: list = []
         self._hook = None
+        self.topology: Topology = single(self.env.rank, self.env.world_size)
         if not cfg.enabled:
             return
-        if self.env.rank == 0:
-            os.makedirs(self.run_path, exist_ok=True)
-            commit.clean_stale_tmp(self.run_path)
-        dist.barrier(group=self.env.ckpt_group)
+        group = self.env.ckpt_group
+        os.makedirs(self.run_path, exist_ok=True)  # every rank: on node-local roots every node needs it
+        _agree(cfg, self.env)
+        self.topology = discover(
+            os.path.abspath(cfg.root),
+            self.run_path,
+            rank=self.env.rank,
+            world=self.env.world_size,
+            group=group,
+            requested=cfg.hot_scope,
+        )
+        if self.topology.scope == "node":
+            if self.env.rank == 0:
+                log.info(
+                    "node-local hot roots: %s; %d replica(s) per shard",
+                    self.topology.describe(),
+                    min(cfg.replicas, self.topology.n_nodes),
+                )
+            recover(self.run_path, self.topology, group)
+        else:
+            if self.env.rank == 0:
+                commit.clean_stale_tmp(self.run_path)
+            dist.barrier(group=group)
         self._saver = saver = AsyncSaver(
-            rank=self.env.rank, ckpt_group=self.env.ckpt_group, mode=cfg.async_mode, writer_threads=cfg.writer_threads
+            rank=self.env.rank,
+            ckpt_group=group,
+            mode=cfg.async_mode,
+            writer_threads=cfg.writer_threads,
+            topology=self.topology,
+            replicas=cfg.replicas,
         )
         # Snapshot consistency: the staged copy must exist before parameters change.
         # (close() removes the hook before it drops the saver, so the hook always sees this one.)
@@ -286,13 +343,15 @@ class CheckpointManager:
         )
 
     def _on_committed(self, manifest: Manifest, final: str) -> None:
-        ev_payload = {
+        ev_payload: dict[str, Any] = {
             "run_id": manifest.run_id,
             "step": manifest.step,
             "uri": final,
             "bytes": manifest.total_bytes,
             "world_size": manifest.world_size,
             "root": os.path.abspath(self.cfg.root),
+            "scope": self.topology.scope,
+            "nodes": list(self.topology.node_ids) if self.topology.scope == "node" else [],
         }
         record = dict(
             ev_payload,
@@ -304,6 +363,8 @@ class CheckpointManager:
         self._sender.send(events.make_event(events.COMMITTED, manifest.run_id, manifest.step, ev_payload))
 
     def _load(self) -> LoadResult:
+        if self.topology.scope == "node":
+            return self._load_nodes()
         env = self.env
         rep = find_resume_point(self.run_path, rank=env.rank, world=env.world_size, group=env.ckpt_group)
         for path, why in rep.skipped:
@@ -332,6 +393,64 @@ class CheckpointManager:
                 commit.write_latest(self.run_path, rep.chosen.step)
             log.info("resumed from %s (step %d)", rep.chosen.path, rep.chosen.step)
         self.last_load = LoadResult(rep.chosen.step, rep.chosen.path, rep.skipped, mism)
+        return self.last_load
+
+    def _load_nodes(self) -> LoadResult:
+        """Node-local roots: agree on the newest recoverable step, fetch what each node lacks,
+        verify, load (``trainer/nodes.py``)."""
+        env, topo = self.env, self.topology
+
+        def needs(step_dir: str, manifest: Manifest) -> set[str]:
+            target = load_target(
+                manifest,
+                env=env,
+                model=self.model,
+                optimizer=self.optimizer,
+                scheduler=self.scheduler,
+                scaler=self.scaler,
+                sampler=self.sampler,
+                extra=self.extra,
+            )
+            return files_read(step_dir, target)
+
+        rep = resume_point(self.run_path, topo, env.ckpt_group, needs=needs)
+        if env.rank == 0:
+            for step, why in rep.skipped:
+                log.warning("resume: skipping %s: %s", step, why)
+        if rep.step is None or rep.manifest is None:
+            if self.cfg.resume == "required" or rep.skipped:
+                raise not_recoverable_error(self.run_path, rep.skipped)
+            self.last_load = LoadResult(0, None)
+            return self.last_load
+        mism = check_provenance(
+            rep.manifest,
+            rep.path,
+            config_hash=self.provenance.config_hash,
+            data_fingerprint=self.provenance.data_fingerprint,
+            allow_mismatch=self.cfg.allow_mismatch,
+        )
+        for m in mism:
+            log.warning("resume despite mismatch (allow_mismatch): %s", m)
+        self._load_checkpoint_dir(rep.path, rep.manifest)
+        if topo.is_leader:
+            if rep.latest_was != rep.step:
+                log.warning(
+                    "resume: node %s's 'latest' named %s; repaired to step %d", topo.node_id, rep.latest_was, rep.step
+                )
+                commit.write_latest(self.run_path, rep.step)
+        if env.rank == 0:
+            got: dict[tuple[str, str], list[str]] = {}
+            for name, src, dst in rep.fetched:
+                got.setdefault((src, dst), []).append(name)
+            how = (
+                "; ".join(
+                    f"node {dst} fetched {', '.join(sorted(n))} from node {src}"
+                    for (src, dst), n in sorted(got.items())
+                )
+                or "every node read its own disk"
+            )
+            log.info("resumed from step %d on %d nodes: %s", rep.step, topo.n_nodes, how)
+        self.last_load = LoadResult(rep.step, rep.path, [(s, w) for s, w in rep.skipped], mism, rep.fetched)
         return self.last_load
 
     def _load_checkpoint_dir(self, path: str, manifest: Manifest) -> None:

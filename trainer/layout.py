@@ -41,11 +41,15 @@ METRICS = "metrics.jsonl"
 DCP_METADATA = ".metadata"
 QUARANTINE_RECORD = "quarantined.json"
 HEARTBEAT = "running.json"
+"""Beside the stage records: a lifecycle that is running says so (``tasks/heartbeat.py``)."""
 STATS = "stats.json"
 """Beside the records: per-tensor statistics of a verified checkpoint (the expectations)."""
 EXPECTATIONS = "expectations.json"
 """Beside the records: the expectation suite's result for a step."""
-"""Beside the stage records: a lifecycle that is running says so (``tasks/heartbeat.py``)."""
+NODE_ID = "_node.json"
+"""At a tier root on a node's own disk: that disk's node id (``trainer/topology.py``)."""
+SCOPE_DIR = "_scope"
+"""In a run dir: the tokens ranks leave to find out which of them share the hot root."""
 
 _STEP_RE = re.compile(rf"^{STEP_PREFIX}(\d{{{STEP_DIGITS}}})$")
 _TMP_RE = re.compile(rf"^{STEP_PREFIX}(\d{{{STEP_DIGITS}}}){re.escape(TMP_SUFFIX)}$")

@@ -29,6 +29,43 @@ from ckptflow.trainer.state import (
 log = logging.getLogger(__name__)
 
 
+def load_target(
+    manifest: Manifest,
+    *,
+    env: DistEnv,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any = None,
+    scaler: Any = None,
+    sampler: Any = None,
+    extra: Any = None,
+) -> dict[str, Any]:
+    """The state dict ``dcp.load`` fills for this rank (its structure decides what is read)."""
+    return build_load_target(
+        model=model,
+        optimizer=optimizer,
+        rank=env.rank,
+        train=train_state(0, scheduler=scheduler, scaler=scaler, sampler=sampler, extra=extra),
+        saved_rng_ranks=int(manifest.state.get("rng_ranks", 0)),
+    )
+
+
+def files_read(step_dir: str, target: dict[str, Any]) -> set[str]:
+    """The files a ``dcp.load`` of ``target`` from ``step_dir`` reads on this rank: DCP's own
+    load plan (so resharding at another world size is accounted for), with ``.metadata``
+    parsed by the restricted reader — call it only once ``.metadata`` matched its manifest."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from ckptflow.trainer import layout
+    from ckptflow.trainer.dcpmeta import read_dcp_metadata
+
+    md = read_dcp_metadata(step_dir)
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(target, md, is_coordinator=False)
+    plan = planner.create_local_plan()
+    return {md.storage_data[item.storage_index].relative_path for item in plan.items} | {layout.DCP_METADATA}
+
+
 def load_verified(
     path: str,
     manifest: Manifest,
@@ -47,12 +84,15 @@ def load_verified(
     """
     import torch.distributed.checkpoint as dcp
 
-    target = build_load_target(
+    target = load_target(
+        manifest,
+        env=env,
         model=model,
         optimizer=optimizer,
-        rank=env.rank,
-        train=train_state(0, scheduler=scheduler, scaler=scaler, sampler=sampler, extra=extra),
-        saved_rng_ranks=int(manifest.state.get("rng_ranks", 0)),
+        scheduler=scheduler,
+        scaler=scaler,
+        sampler=sampler,
+        extra=extra,
     )
     try:
         dcp.load(target, checkpoint_id=path, process_group=env.ckpt_group)

@@ -44,6 +44,7 @@ from ckptflow.trainer import faults, layout
 from ckptflow.trainer.checksum import hash_file
 from ckptflow.trainer.errors import SaveError
 from ckptflow.trainer.manifest import FileEntry, Manifest
+from ckptflow.trainer.topology import Topology, single
 
 log = logging.getLogger(__name__)
 
@@ -132,12 +133,24 @@ class AsyncSaver:
     """One rank's save engine. Public calls come from the training thread only."""
 
     def __init__(
-        self, *, rank: int, ckpt_group: dist.ProcessGroup, mode: str = "async_staging", writer_threads: int = 1
+        self,
+        *,
+        rank: int,
+        ckpt_group: dist.ProcessGroup,
+        mode: str = "async_staging",
+        writer_threads: int = 1,
+        topology: Topology | None = None,
+        replicas: int = 2,
+        timeout_s: float = 600.0,
     ) -> None:
         if mode not in ASYNC_MODES:
             raise ValueError(f"async mode {mode!r} is unknown; choose one of {ASYNC_MODES}")
         self.rank = rank
         self.group = ckpt_group
+        self.topology = topology or single(rank, dist.get_world_size(ckpt_group))
+        """Who shares the hot root: one root (rank 0 commits) or node-local roots (two-level commit)."""
+        self.replicas = replicas
+        self.timeout_s = timeout_s
         self._last_bytes = 0  # size of the last committed checkpoint: what the next one needs
         self.mode = mode
         self.writer_threads = writer_threads
@@ -229,45 +242,12 @@ class AsyncSaver:
         self, upload: Future, writer: _FaultingWriter, req: SaveRequest, timing: SaveTiming, t0: float, done: Future
     ) -> None:
         try:
-            err: BaseException | None = None
-            referenced: set[str] = set()
-            try:
-                referenced = files_of(upload.result())
-            except BaseException as e:  # DCP's CheckpointException derives from BaseException
-                err = e
-            timing.persisted_s = time.perf_counter() - t0
-            # Every rank reaches the gather, failed or not, so no rank waits forever.
-            entries: dict[str, FileEntry] = {}
-            if err is None:
-                try:
-                    world = dist.get_world_size(self.group)
-                    names = my_files(referenced, self.rank, world)
-                    if self.rank == 0:
-                        names.append(layout.DCP_METADATA)
-                        faults.maybe_crash("after_shards", req.step)
-                    for n in names:
-                        digest, size = hash_file(os.path.join(writer.path, n))
-                        entries[n] = FileEntry(size, digest)
-                except OSError as e:
-                    err = e
-            gathered: list | None = [None] * dist.get_world_size(self.group) if self.rank == 0 else None
-            dist.gather_object(
-                (entries, repr(err) if err else None, sorted(referenced)), gathered, dst=0, group=self.group
-            )
-            outcome: list = [None]
-            if self.rank == 0:
-                assert gathered is not None  # allocated above on rank 0
-                outcome[0] = self._coordinate(gathered, req)
-            dist.broadcast_object_list(outcome, src=0, group=self.group)
+            gathered = self._gather_entries(upload, writer, req, timing, t0)
+            if self.topology.scope == "node":
+                self._commit_nodes(gathered, req, timing)
+            else:
+                self._commit_shared(gathered, req, timing)
             timing.committed_s = time.perf_counter() - t0
-            status, detail = outcome[0]
-            if status != "ok":
-                raise SaveError(
-                    f"checkpoint of step {req.step} in {req.run_path} was not committed: "
-                    f"{detail}{disk_full_hint(req.run_path, self._last_bytes)}; "
-                    "earlier checkpoints are untouched"
-                )
-            timing.bytes = int(detail)
             self._last_bytes = timing.bytes
             done.set_result(timing)
         except BaseException as e:  # surface on the training thread at the next wait()
@@ -279,23 +259,129 @@ class AsyncSaver:
                 )
             done.set_exception(e)
 
-    def _coordinate(self, gathered: list, req: SaveRequest) -> tuple[str, Any]:
-        """Rank 0: build the manifest from every rank's entries and commit."""
-        from ckptflow.trainer.commit import commit_checkpoint  # local: keeps import graph flat
+    def _not_committed(self, req: SaveRequest, detail: str) -> SaveError:
+        return SaveError(
+            f"checkpoint of step {req.step} in {req.run_path} was not committed: "
+            f"{detail}{disk_full_hint(req.run_path, self._last_bytes)}; earlier checkpoints are untouched"
+        )
 
+    def _gather_entries(
+        self, upload: Future, writer: _FaultingWriter, req: SaveRequest, timing: SaveTiming, t0: float
+    ) -> list | None:
+        """Phases 1-2: wait for DCP, hash this rank's files, gather everyone's entries on rank 0."""
+        err: BaseException | None = None
+        referenced: set[str] = set()
+        try:
+            referenced = files_of(upload.result())
+        except BaseException as e:  # DCP's CheckpointException derives from BaseException
+            err = e
+        timing.persisted_s = time.perf_counter() - t0
+        # Every rank reaches the gather, failed or not, so no rank waits forever.
+        entries: dict[str, FileEntry] = {}
+        if err is None:
+            try:
+                world = dist.get_world_size(self.group)
+                names = my_files(referenced, self.rank, world)
+                if self.rank == 0:
+                    names.append(layout.DCP_METADATA)
+                    faults.maybe_crash("after_shards", req.step)
+                for n in names:
+                    digest, size = hash_file(os.path.join(writer.path, n))
+                    entries[n] = FileEntry(size, digest)
+            except OSError as e:
+                err = e
+        gathered: list | None = [None] * dist.get_world_size(self.group) if self.rank == 0 else None
+        dist.gather_object((entries, repr(err) if err else None, sorted(referenced)), gathered, dst=0, group=self.group)
+        return gathered
+
+    def _commit_shared(self, gathered: list | None, req: SaveRequest, timing: SaveTiming) -> None:
+        """One root for all ranks: rank 0 commits for everyone, then tells them."""
+        outcome: list = [None]
+        if self.rank == 0:
+            assert gathered is not None  # allocated on rank 0 by _gather_entries
+            outcome[0] = self._coordinate(gathered, req)
+        dist.broadcast_object_list(outcome, src=0, group=self.group)
+        status, detail = outcome[0]
+        if status != "ok":
+            raise self._not_committed(req, detail)
+        timing.bytes = int(detail)
+
+    def _commit_nodes(self, gathered: list | None, req: SaveRequest, timing: SaveTiming) -> None:
+        """Node-local roots: the two-level commit of ``trainer/nodes.py``, phases 3-8."""
+        from ckptflow.trainer.manifest import Manifest
+        from ckptflow.trainer.nodes import NodeSave
+
+        ns = NodeSave(self.topology, req.run_path, req.step, self.group, timeout_s=self.timeout_s)
+        box: list = [None]
+        if self.rank == 0:
+            assert gathered is not None  # allocated on rank 0 by _gather_entries
+            box[0] = self._build_node_manifest(gathered, req)
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        if box[0][0] != "ok":
+            ns.discard()
+            raise self._not_committed(req, box[0][1])
+        _, manifest_bytes, metadata = box[0]
+        manifest = Manifest.from_json(manifest_bytes, source=f"step {req.step}'s manifest from rank 0")
+        tr = time.perf_counter()
+        problems = ns.decide(ns.replicate(manifest))
+        timing.extra["replicate_s"] = time.perf_counter() - tr
+        if not problems:
+            problems = ns.decide(ns.prepare(manifest_bytes, metadata))
+        if problems:
+            ns.discard()
+            raise self._not_committed(
+                req, "; ".join(problems[:3]) + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else "")
+            )
+        final = ns.commit()
+        timing.bytes = manifest.total_bytes
+        timing.extra["replicated_bytes"] = ns.replicated_bytes
+        if self.rank == 0 and req.on_committed is not None:
+            try:
+                req.on_committed(manifest, final)
+            except Exception as e:  # committed is committed; reconcile finds it on storage
+                log.warning("step %d committed but its outbox/event failed: %r", req.step, e)
+
+    def _checked_files(self, gathered: list) -> tuple[dict[str, FileEntry] | None, str, dict[str, int]]:
+        """Every rank's entries merged, or why not: (files, problem, file -> the rank that wrote it)."""
         errors = [f"rank {r}: {e}" for r, (_, e, _) in enumerate(gathered) if e]
         if errors:
-            self._discard_tmp(req)
-            return "failed", "; ".join(errors)
+            return None, "; ".join(errors), {}
         files: dict[str, FileEntry] = {}
-        for ents, _, _ in gathered:
+        owners: dict[str, int] = {}
+        for r, (ents, _, _) in enumerate(gathered):
             files.update(ents)
+            owners.update(dict.fromkeys(ents, r))
         # A manifest that misses a file DCP references would let that file go unverified
         # (and uncopied by promote/archive): refuse to commit rather than trust less.
         missing = (set(gathered[0][2]) | {layout.DCP_METADATA}) - set(files)
         if missing:
+            return None, f"no checksum for {sorted(missing)} (a rank did not hash its files)", {}
+        return files, "", owners
+
+    def _build_node_manifest(self, gathered: list, req: SaveRequest) -> tuple:
+        """Rank 0, node-local roots: the manifest with its placement, and ``.metadata``'s bytes."""
+        from ckptflow.trainer.nodes import PLACEMENT, placement
+
+        files, problem, owners = self._checked_files(gathered)
+        if files is None:
+            return "failed", problem
+        try:
+            manifest = req.build_manifest(files)
+            manifest.extra[PLACEMENT] = placement(self.topology, owners, self.replicas)
+            with open(os.path.join(req.run_path, layout.tmp_name(req.step), layout.DCP_METADATA), "rb") as f:
+                metadata = f.read()
+            return "ok", manifest.to_json(), metadata
+        except Exception as e:
+            return "failed", f"manifest: {e!r}"
+
+    def _coordinate(self, gathered: list, req: SaveRequest) -> tuple[str, Any]:
+        """Rank 0, one shared root: build the manifest from every rank's entries and commit."""
+        from ckptflow.trainer.commit import commit_checkpoint  # local: keeps import graph flat
+
+        files, problem, _ = self._checked_files(gathered)
+        if files is None:
             self._discard_tmp(req)
-            return "failed", f"no checksum for {sorted(missing)} (a rank did not hash its files)"
+            return "failed", problem
         try:
             manifest = req.build_manifest(files)
             final = commit_checkpoint(req.run_path, manifest)

@@ -35,6 +35,9 @@ class VerifyResult:
     problems: list[Problem] = field(default_factory=list)
     bytes_checked: int = 0
     seconds: float = 0.0
+    elsewhere: list[str] = field(default_factory=list)
+    """A node's part (``part=True``): manifest files this directory does not hold, left to the
+    other nodes' parts (``verify_parts`` checks that together they hold everything)."""
 
     @property
     def ok(self) -> bool:
@@ -91,8 +94,13 @@ def verify_checkpoint(
     threads: int = 4,
     key: bytes | None = None,
     expect: tuple[str, int] | None = None,
+    part: bool = False,
 ) -> VerifyResult:
     """Verify ``ckpt_dir``; ``only`` limits hashing to a subset (one rank's share).
+
+    ``part=True``: ``ckpt_dir`` may be one node's part of a checkpoint saved on node-local
+    roots (its manifest records a node placement): the files it holds are verified, the
+    ones it does not are listed in ``elsewhere`` instead of as problems.
 
     ``expect=(run_id, step)``: the manifest must name that run and step (a checkpoint
     copied under another run or step is someone else's, however intact).
@@ -122,6 +130,11 @@ def verify_checkpoint(
         )
         return res
     names = sorted(res.manifest.files) if only is None else sorted(only)
+    if part and is_node_part(res.manifest):
+        res.elsewhere = [
+            n for n in names if n != layout.DCP_METADATA and not os.path.lexists(os.path.join(ckpt_dir, *n.split("/")))
+        ]
+        names = [n for n in names if n not in set(res.elsewhere)]
     todo = [(n, res.manifest.files[n]) for n in names]
     with ThreadPoolExecutor(max_workers=max(1, min(threads, len(todo)))) as ex:
         found = list(ex.map(lambda ne: check_file(ckpt_dir, ne[0], ne[1].size, ne[1].checksum), todo))
@@ -129,6 +142,31 @@ def verify_checkpoint(
     res.bytes_checked = sum(e.size for _, e in todo)
     res.seconds = time.perf_counter() - t0
     return res
+
+
+def is_node_part(manifest: Manifest) -> bool:
+    """The checkpoint was saved on node-local roots: each node's directory holds a part."""
+    return (manifest.extra.get("placement") or {}).get("scope") == "node"
+
+
+def verify_parts(
+    ckpt_dirs: list[str], *, threads: int = 4, key: bytes | None = None
+) -> tuple[list[VerifyResult], list[str]]:
+    """Several nodes' parts of one checkpoint: each part's files verify, the parts carry the same
+    manifest, and together they hold every file of it. Returns (per part, global problems)."""
+    parts = [verify_checkpoint(d, threads=threads, key=key, part=True) for d in ckpt_dirs]
+    problems: list[str] = []
+    manifests = {r.manifest.to_json(key=b"") if r.manifest else None for r in parts}
+    if None in manifests or len(manifests) != 1:
+        problems.append("the parts do not carry one and the same readable manifest")
+        return parts, problems
+    m = parts[0].manifest
+    assert m is not None  # every part's manifest was read (checked just above)
+    held = {n for r in parts for n in m.files if n not in r.elsewhere}
+    lost = sorted(set(m.files) - held)
+    if lost:
+        problems.append(f"step {m.step}: no part holds {', '.join(lost)}")
+    return parts, problems
 
 
 def share_of_files(manifest: Manifest, rank: int, world_size: int) -> list[str]:

@@ -36,6 +36,12 @@ class Row:
     """Tiers whose ``latest`` names this step."""
     problems: dict[str, str] = field(default_factory=dict)
     """Tier -> why its copy could not be read (damaged index or manifest)."""
+    nodes: list[str] = field(default_factory=list)
+    """Saved on node-local hot roots: the nodes that committed it (their ids), else empty."""
+    replicas: int | None = None
+    """Node-local roots: how many nodes hold each shard file."""
+    hot_part: list[int] | None = None
+    """Node-local roots: [files this node's hot root holds, files in the manifest]."""
 
 
 @one_line_errors
@@ -144,6 +150,13 @@ def collect(cfg: Any, run_filter: str | None = None) -> tuple[list[Row], dict[st
                         continue
                     row.tiers.append(tier.name)
                     row.raw_bytes = ck.manifest.total_bytes
+                    pl = ck.manifest.extra.get("placement") or {}
+                    if pl.get("scope") == "node":
+                        row.nodes = [str(n.get("node")) for n in pl.get("nodes", [])]
+                        row.replicas = pl.get("replicas")
+                        if tier.name == "hot":
+                            here = sum(tier.exists(tier.url_for(run, s, n)) for n in ck.manifest.files)
+                            row.hot_part = [here, len(ck.manifest.files)]
                     row.stored_bytes[tier.name] = ck.index.total_stored_bytes
                     row.codec[tier.name] = ck.index.codec
                     if tier.name != "hot" and ck.has_tier_index:
@@ -168,6 +181,14 @@ def collect(cfg: Any, run_filter: str | None = None) -> tuple[list[Row], dict[st
             row.quarantined, row.verified = True, False
             row.quarantine_reasons = [str(x) for x in q.get("reasons", [])] or ["no reason recorded"]
     return sorted(found.values(), key=lambda r: (r.run_id, r.step)), unreachable
+
+
+def _nodes_text(r: Row) -> str:
+    """``2 x2, here 3/5``: committed by 2 nodes, each shard on 2 of them, this node holds 3 of 5 files."""
+    if not r.nodes:
+        return "-"
+    here = f", here {r.hot_part[0]}/{r.hot_part[1]}" if r.hot_part else ""
+    return f"{len(r.nodes)} x{r.replicas}{here}"
 
 
 def status_text(r: Row) -> str:
@@ -200,6 +221,8 @@ def _table(cfg: Any, rows: list[Row], layout: Any) -> None:
         tbl.add_column(f"stored {n}", justify="right", no_wrap=True)
     tbl.add_column("stages", no_wrap=True)  # initials, legend under the table (keeps 80 columns)
     tbl.add_column("status", overflow="fold", min_width=12)  # the one column that wraps (reasons)
+    if any(r.nodes for r in rows):
+        tbl.add_column("nodes", no_wrap=True)  # node-local hot roots: nodes x replicas, this node's part
     tbl.add_column("pinned", no_wrap=True)
     tbl.add_column("latest", no_wrap=True)
     for r in rows:
@@ -212,6 +235,7 @@ def _table(cfg: Any, rows: list[Row], layout: Any) -> None:
             *[human_bytes(r.stored_bytes.get(n)) for n in names],
             "".join(marks.get(x, "?") for x in r.stages) or "-",
             Text(status_text(r), style=style),
+            *([_nodes_text(r)] if any(x.nodes for x in rows) else []),
             ",".join(r.pinned) or "-",
             ",".join(r.latest) or "-",
         )

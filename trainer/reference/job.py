@@ -56,6 +56,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--on-save-error", default="raise", choices=["raise", "continue"])
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step (demos)")
+    p.add_argument(
+        "--hot-scope",
+        default="auto",
+        choices=["auto", "node", "shared"],
+        help="whether --ckpt-root is each node's own disk or shared (auto: find out)",
+    )
+    p.add_argument("--replicas", type=int, default=2, help="node-local roots: nodes holding each shard (1: none)")
     return p.parse_args(argv)
 
 
@@ -95,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
             enabled=not args.no_save,
             allow_mismatch=args.allow_mismatch,
             on_save_error=args.on_save_error,
+            hot_scope=args.hot_scope,
+            replicas=args.replicas,
         ),
         model=b.model,
         optimizer=b.optimizer,
@@ -104,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         sanity=SanitySpec(builder=BUILDER, config=tcfg.to_dict(), probe_tokens=b.probe.tolist(), probe_fn=b.probe_loss),
         env=env,
     )
+    t_load = time.perf_counter()
     start = ckpt.load()
+    load_s = time.perf_counter() - t_load
     if env.rank == 0:
         os.makedirs(ckpt.run_path, exist_ok=True)
     mf = open(metrics_path(ckpt.run_path), "a", buffering=1) if env.rank == 0 else None
@@ -157,6 +168,20 @@ def main(argv: list[str] | None = None) -> int:
                     "train_s": train_s,
                     "close_s": close_s,
                     "steps": args.max_steps - start,
+                    "resumed_from": start,
+                    "load_s": load_s,
+                    "replicated_bytes": sum(t.extra.get("replicated_bytes", 0) for t in ckpt.save_timings),
+                    "replicate_s": sum(t.extra.get("replicate_s", 0.0) for t in ckpt.save_timings),
+                    "persist_median_s": sorted(t.persisted_s for t in ckpt.save_timings or [])[
+                        len(ckpt.save_timings) // 2
+                    ]
+                    if ckpt.save_timings
+                    else 0.0,
+                    "commit_median_s": sorted(t.committed_s for t in ckpt.save_timings or [])[
+                        len(ckpt.save_timings) // 2
+                    ]
+                    if ckpt.save_timings
+                    else 0.0,
                 }
             ),
             file=sys.stderr,

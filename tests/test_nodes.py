@@ -1,0 +1,276 @@
+"""Many nodes with node-local hot roots: the two-level commit, peer replicas, resume anywhere.
+
+Each node is its own torchrun agent (c10d rendezvous on 127.0.0.1) with its own hot folder as
+its local disk (``ckptflow.harness.NodeAgents``). Ranks are assigned at rendezvous, so which
+node holds rank 0 differs between runs: nothing here assumes it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+
+import pytest
+
+from ckptflow.harness import NodeAgents
+from ckptflow.trainer import layout, transport
+from ckptflow.trainer.errors import ConfigError
+from ckptflow.trainer.reference.metrics import read_metrics
+from ckptflow.trainer.topology import Topology, _domains
+from ckptflow.trainer.verify import verify_checkpoint, verify_parts
+
+RUN = "mn"
+
+
+def _args(max_steps: int, save_every: int, *extra: str) -> list[str]:
+    return ["--run-id", RUN, "--model", "tiny", "--max-steps", str(max_steps), "--save-every", str(save_every), *extra]
+
+
+def _roots(tmp_path, n: int = 2) -> list[str]:
+    return [str(tmp_path / f"node{i}") for i in range(n)]
+
+
+def _run_dir(root: str) -> str:
+    return os.path.join(root, RUN)
+
+
+def _latest(root: str) -> int | None:
+    from ckptflow.trainer.commit import read_latest
+
+    return read_latest(_run_dir(root))
+
+
+def _steps(root: str) -> list[int]:
+    from ckptflow.trainer.commit import committed_steps
+
+    return committed_steps(_run_dir(root))
+
+
+def _curve(roots: list[str]) -> dict[int, tuple[float, float]]:
+    """(loss, lr) per step, the last time it was trained, from whichever node held rank 0."""
+    rows = sorted((r for root in roots for r in read_metrics(_run_dir(root))), key=lambda r: r["wall"])
+    return {r["step"]: (r["loss"], r["lr"]) for r in rows}
+
+
+def _all_output(nodes: NodeAgents) -> str:
+    return "\n".join(nodes.output(i) for i in range(nodes.n))
+
+
+def _wait_for_step(roots: list[str], step: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if max((r["step"] for root in roots for r in read_metrics(_run_dir(root))), default=0) >= step:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"training never reached step {step}")
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    """An uninterrupted 2-node run (1 rank each), steps 1-12: the curve every resume must reproduce."""
+    tmp = tmp_path_factory.mktemp("baseline")
+    roots = _roots(tmp)
+    with NodeAgents(roots, _args(12, 4), log_dir=str(tmp / "logs")) as nodes:
+        nodes.start()
+        assert nodes.wait(240) == [0, 0], _all_output(nodes)[-3000:]
+    return _curve(roots)
+
+
+# ---- pure parts ---------------------------------------------------------------------------
+
+
+def test_who_shares_a_root_is_an_equivalence_or_an_error():
+    assert _domains([[0, 1], [0, 1], [2, 3], [2, 3]]) == ((0, 1), (2, 3))
+    assert _domains([[0, 1, 2]] * 3) == ((0, 1, 2),)
+    with pytest.raises(ConfigError, match="disagree"):
+        _domains([[0, 1], [0, 1, 2], [1, 2]])  # half-shared: rank 1 sees both
+    with pytest.raises(ConfigError, match="its own file"):
+        _domains([[1], [1]])
+
+
+def test_ring_placement_and_pairing():
+    topo = Topology("node", ((0, 1), (2, 3), (4, 5)), ("a", "b", "c"), 0)
+    assert topo.holders(2) == [[0, 1], [1, 2], [2, 0]]
+    assert topo.holders(5) == [[0, 1, 2], [1, 2, 0], [2, 0, 1]]  # capped at the node count
+    assert topo.holders(1) == [[0], [1], [2]]
+    assert [topo.peer_rank(r, 1) for r in (0, 1, 4, 5)] == [2, 3, 2, 3]
+
+
+def test_transfer_rounds_never_make_a_rank_send_or_receive_twice():
+    plan = [
+        transport.Transfer(f"f{i}", s, d, 10, "x")
+        for i, (s, d) in enumerate([(0, 1), (0, 2), (1, 0), (2, 0), (1, 2), (3, 1)])
+    ]
+    rs = transport.rounds(plan)
+    assert sorted(t for r in rs for t in r) == sorted(plan)
+    for r in rs:
+        assert len({t.src for t in r}) == len(r) and len({t.dst for t in r}) == len(r)
+
+
+# ---- real nodes -----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_two_nodes_by_two_ranks_latest_is_always_a_global_commit(tmp_path):
+    """Throughout the run every node's ``latest`` names a step whose every file is on some node
+    (committed, or prepared and decided); at the end every node holds every step whole."""
+    roots = _roots(tmp_path)
+    bad: list[str] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            for root in roots:
+                s = _latest(root)
+                if s is None:
+                    continue
+                name = layout.step_name(s)
+                try:
+                    with open(os.path.join(_run_dir(root), name, layout.MANIFEST)) as f:
+                        files = set(json.load(f)["files"])
+                except (OSError, ValueError):
+                    bad.append(f"{root}: latest names {name}, which has no readable manifest there")
+                    continue
+                held = set()
+                for r in roots:
+                    for d in (name, layout.tmp_name(s)):
+                        try:
+                            held |= set(os.listdir(os.path.join(_run_dir(r), d)))
+                        except OSError:
+                            pass
+                if files - held:
+                    bad.append(f"{root}: latest names {name}, but no node holds {sorted(files - held)}")
+            time.sleep(0.01)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    with NodeAgents(roots, _args(8, 2), nproc=2, log_dir=str(tmp_path / "logs")) as nodes:
+        nodes.start()
+        rcs = nodes.wait(300)
+    stop.set()
+    t.join(5)
+    assert rcs == [0, 0], _all_output(nodes)[-4000:]
+    assert not bad, bad[:5]
+    for root in roots:
+        assert _latest(root) == 8 and _steps(root) == [8, 6, 4, 2]
+        res = verify_checkpoint(os.path.join(_run_dir(root), layout.step_name(8)), part=True)
+        assert res.ok and res.elsewhere == [], res.problems  # replicas=2 on 2 nodes: everything everywhere
+        pl = res.manifest.extra["placement"]
+        assert pl["scope"] == "node" and len(pl["nodes"]) == 2 and all(len(n["ranks"]) == 2 for n in pl["nodes"])
+        assert sorted(res.manifest.files) == [
+            ".metadata",
+            "__0_0.distcp",
+            "__1_0.distcp",
+            "__2_0.distcp",
+            "__3_0.distcp",
+        ]
+    parts, whole = verify_parts([os.path.join(_run_dir(r), layout.step_name(8)) for r in roots])
+    assert whole == [] and all(p.ok for p in parts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("killed", ["node1", "both"])
+def test_a_replaced_node_resumes_through_its_peers_replica_bitwise(tmp_path, baseline, killed):
+    """SIGKILL node 1 (or the whole job) after step 6, give node 1 an empty disk, restart: the
+    job resumes from step 4 through node 0's replica, and every step after matches the
+    uninterrupted run bit for bit."""
+    roots = _roots(tmp_path)
+    with NodeAgents(roots, _args(12, 4, "--step-sleep", "0.3"), log_dir=str(tmp_path / "logs")) as nodes:
+        nodes.start()
+        _wait_for_step(roots, 6)
+        t0 = time.monotonic()
+        nodes.kill(1)
+        if killed == "both":
+            nodes.kill(0)
+        rcs = nodes.wait(60)
+        assert time.monotonic() - t0 < 45, "a node's loss must end the job in seconds, not a collective timeout"
+        assert rcs[0] != 0
+        assert _steps(roots[0])[0] == 4 and _latest(roots[0]) == 4
+        shutil.rmtree(roots[1])  # the replacement node's disk is empty
+        os.makedirs(roots[1])
+        nodes.args = _args(12, 4)
+        nodes.start()
+        assert nodes.wait(240) == [0, 0], _all_output(nodes)[-4000:]
+        out = _all_output(nodes)
+    assert "resumed from step 4 on 2 nodes" in out and "fetched" in out, out[-3000:]
+    got = _curve(roots)
+    assert sorted(got) == list(range(1, 13))
+    assert all(got[s] == baseline[s] for s in range(1, 13)), [
+        (s, got[s], baseline[s]) for s in range(1, 13) if got[s] != baseline[s]
+    ]
+    for root in roots:  # the new node holds its part again, and latest is global everywhere
+        assert _latest(root) == 12
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "phase,committed",
+    [
+        ("shards", False),
+        ("replicate", False),
+        ("after_part", False),  # before the decision: rolled back
+        ("decided", True),
+        ("after_latest", True),  # after it: rolled forward
+    ],
+)
+def test_a_node_crashing_at_each_commit_phase(tmp_path, phase, committed):
+    """Node 1 dies at ``phase`` of step 8's commit. Before the unanimous decision no node's
+    ``latest`` may name step 8 and the restart resumes from 4; after it, step 8 is committed
+    (the crashed node's prepared part is rolled forward) and the restart resumes from 8."""
+    roots = _roots(tmp_path)
+    with NodeAgents(roots, _args(8, 4), log_dir=str(tmp_path / "logs")) as nodes:
+        nodes.start(0)
+        nodes.start(1, env={"CKPTFLOW_FAULT": f"{phase}@8"})
+        rcs = nodes.wait(120)
+        assert rcs[1] != 0, f"the fault did not fire: {nodes.output(1)[-2000:]}"
+        latest = [_latest(r) for r in roots]
+        if not committed:
+            assert 8 not in latest, latest
+        nodes.start()
+        assert nodes.wait(180) == [0, 0], _all_output(nodes)[-4000:]
+        out = _all_output(nodes)
+    want = 8 if committed else 4
+    assert f"resumed from step {want} on 2 nodes" in out, out[-3000:]
+    for root in roots:
+        assert _latest(root) == 8 and 8 in _steps(root)
+
+
+@pytest.mark.slow
+def test_restart_on_one_node_after_two_reshards(tmp_path):
+    """Two nodes (1 rank each) save; the job comes back on node 0 alone as one process: its disk
+    holds every file (the replica), so it resumes at world size 1, resharding."""
+    from tests.helpers import make_run
+
+    roots = _roots(tmp_path)
+    with NodeAgents(roots, _args(8, 4), log_dir=str(tmp_path / "logs")) as nodes:
+        nodes.start()
+        assert nodes.wait(180) == [0, 0], _all_output(nodes)[-3000:]
+    make_run(roots[0], RUN, max_steps=12, save_every=4, extra_args=["--parallel", "fsdp"])  # the same config
+    assert _steps(roots[0])[:2] == [12, 8] and _latest(roots[0]) == 12
+    steps = [r["step"] for r in read_metrics(_run_dir(roots[0]))]
+    assert steps[-4:] == [9, 10, 11, 12]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["interval", "told_shared"])
+def test_disagreement_ends_in_a_clear_error_within_seconds(tmp_path, case):
+    roots = _roots(tmp_path)
+    with NodeAgents(roots, _args(8, 4), log_dir=str(tmp_path / "logs")) as nodes:
+        t0 = time.monotonic()
+        if case == "interval":
+            nodes.start(0)
+            nodes.args = _args(8, 2)
+            nodes.start(1)
+            want = "ranks disagree on the checkpoint settings"
+        else:
+            nodes.args = _args(8, 4, "--hot-scope", "shared")
+            nodes.start()
+            want = "hot_scope='shared', but the hot root"
+        rcs = nodes.wait(90)
+        out = _all_output(nodes)
+    assert all(rc not in (0, None) for rc in rcs), out[-2000:]
+    assert want in out, out[-3000:]
+    assert time.monotonic() - t0 < 60
