@@ -44,12 +44,12 @@ from torch.distributed.tensor import DTensor
 from ckptflow.trainer import layout
 from ckptflow.trainer.checkpointer import CheckpointConfig, CheckpointManager, Provenance, SanitySpec
 from ckptflow.trainer.distenv import DistEnv, init_distributed, shutdown
-from ckptflow.trainer.loader import load_verified, train_state
+from ckptflow.trainer.loader import load_verified
 from ckptflow.trainer.manifest import read_manifest
 from ckptflow.trainer.reference.build import BUILDER, Built, TrainConfig, build
 from ckptflow.trainer.reference.data import GlobalSampler
 from ckptflow.trainer.reference.model import ModelConfig, lm_loss
-from ckptflow.trainer.state import build_save_state, reseed_rng
+from ckptflow.trainer.state import build_save_state, rank_state, reseed_rng, shared_state
 from ckptflow.trainer.verify import share_of_files, verify_checkpoint
 
 MODES_ORDER = ("async_staging", "thread", "process", "sync")
@@ -171,7 +171,8 @@ def bench_save_parts(b: Built, runner: StepRunner, env: DistEnv, reps: int = 3) 
             model=b.model,
             optimizer=b.optimizer,
             rank=env.rank,
-            train=train_state(runner.step_no, scheduler=b.scheduler, sampler=runner.sampler),
+            train=shared_state(runner.step_no, scheduler=b.scheduler),
+            per_rank=rank_state(sampler=runner.sampler),
         )
         state_s.append(time.perf_counter() - t0)
     return {"probe_s": probe_s, "probe_1_sample_s": probe1_s, "build_state_s": state_s, "probe_samples": len(b.probe)}

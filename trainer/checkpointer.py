@@ -30,12 +30,12 @@ from ckptflow.trainer import commit, events, layout
 from ckptflow.trainer.checksum import hash_bytes
 from ckptflow.trainer.distenv import DistEnv, init_distributed
 from ckptflow.trainer.errors import ConfigError, SaveError
-from ckptflow.trainer.loader import files_read, load_target, load_verified
+from ckptflow.trainer.loader import Reshard, files_read, load_target, load_verified
 from ckptflow.trainer.manifest import FileEntry, Manifest
 from ckptflow.trainer.nodes import not_recoverable_error, recover, resume_point
 from ckptflow.trainer.resume import check_provenance, find_resume_point, no_checkpoint_error
 from ckptflow.trainer.saver import ASYNC_MODES, AsyncSaver, SaveRequest
-from ckptflow.trainer.state import build_save_state, train_state
+from ckptflow.trainer.state import LAYOUT, build_save_state, rank_state, shared_state
 from ckptflow.trainer.topology import SCOPES, Topology, discover, single
 
 log = logging.getLogger(__name__)
@@ -185,10 +185,14 @@ class CheckpointManager:
         extra: Stateful | None = None,
         sanity: SanitySpec | None = None,
         env: DistEnv | None = None,
+        reshard_state: Reshard | None = None,
     ) -> None:
         self.cfg = cfg
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
         self.sampler, self.extra, self.sanity, self.provenance = sampler, extra, sanity, provenance
+        self.reshard_state = reshard_state
+        """Resuming at another world size: ``fn(name, saved_states, rank, world) -> state`` for a sampler or
+        ``extra`` state that differed between the saving ranks (``trainer/loader.py``)."""
         self.env = env or init_distributed()
         self.run_path = os.path.abspath(layout.run_dir(cfg.root, cfg.run_id))
         self.last_load: LoadResult | None = None
@@ -288,16 +292,17 @@ class CheckpointManager:
         log.error("%s (on_save_error=continue: training goes on)", e)
         return False
 
-    def _train_state(self, step: int) -> dict[str, Any]:
-        return train_state(step, scheduler=self.scheduler, scaler=self.scaler, sampler=self.sampler, extra=self.extra)
-
     def _save(self, step: int, metrics: dict[str, float]) -> None:
         probe_loss = self.sanity.probe_fn() if self.sanity is not None else None
         # The LR a resumed run will use first; the sanity step checks the restored
         # scheduler reproduces it.
         next_lr = float(self.scheduler.get_last_lr()[0]) if self.scheduler is not None else None
         state = build_save_state(
-            model=self.model, optimizer=self.optimizer, rank=self.env.rank, train=self._train_state(step)
+            model=self.model,
+            optimizer=self.optimizer,
+            rank=self.env.rank,
+            train=shared_state(step, scheduler=self.scheduler, scaler=self.scaler),
+            per_rank=rank_state(sampler=self.sampler, extra=self.extra),
         )
         req = SaveRequest(
             step=step,
@@ -335,6 +340,7 @@ class CheckpointManager:
             },
             sanity=sanity,
             state={
+                "layout": LAYOUT,
                 "rng_ranks": self.env.world_size,
                 "has_scheduler": self.scheduler is not None,
                 "has_scaler": self.scaler is not None,
@@ -465,4 +471,5 @@ class CheckpointManager:
             scaler=self.scaler,
             sampler=self.sampler,
             extra=self.extra,
+            reshard_state=self.reshard_state,
         )

@@ -6,7 +6,8 @@ that phase — the same signal a dead node or the OOM killer delivers, so nothin
 to clean up. With ``sleep<s>`` it sleeps ``s`` seconds there instead (a slow disk or
 network). Without the variable every call is a dictionary lookup and nothing else.
 
-Trainer phases, in commit order: ``step`` (end of a training step), ``write`` (this
+Trainer phases, in commit order: ``step`` (end of a training step), ``staging`` (save()
+returned while the async stager is still copying the state), ``write`` (this
 rank's DCP writer is about to write, in the background), ``shards`` (this
 rank's DCP files written, others maybe not), ``after_shards`` (all files written,
 before the manifest), ``after_manifest`` (manifest durable in the .tmp dir, before

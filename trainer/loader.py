@@ -7,24 +7,34 @@ Shared by resume (``CheckpointManager.load``) and the read-only restore sanity s
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ckptflow.trainer.distenv import DistEnv
-from ckptflow.trainer.errors import IntegrityError
+from ckptflow.trainer.errors import ConfigError, IntegrityError
 from ckptflow.trainer.manifest import Manifest
 from ckptflow.trainer.state import (
+    RANK_TAG,
     RNG_TAG,
+    SHARED_TAG,
     TRAIN_TAG,
     apply_loaded_state,
+    buffer_keys,
     build_load_target,
     reseed_rng,
     restore_rng,
     rng_key,
+    states_equal,
     train_state,
     unwrap,
 )
+
+Reshard = Callable[[str, list[Any], int, int], Any]
+"""``reshard_state(name, saved_states, rank, world) -> state``: what rank ``rank`` of ``world``
+takes for ``name`` ("sampler" or "extra") when resuming at another world size than the one
+that saved ``saved_states`` (one per saved rank) and they were not all equal."""
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +55,10 @@ def load_target(
         model=model,
         optimizer=optimizer,
         rank=env.rank,
+        world=env.world_size,
+        saved_ranks=int(manifest.state.get("rng_ranks", 0)),
+        layout=int(manifest.state.get("layout", 1)),
         train=train_state(0, scheduler=scheduler, scaler=scaler, sampler=sampler, extra=extra),
-        saved_rng_ranks=int(manifest.state.get("rng_ranks", 0)),
     )
 
 
@@ -77,6 +89,7 @@ def load_verified(
     scaler: Any = None,
     sampler: Any = None,
     extra: Any = None,
+    reshard_state: Reshard | None = None,
 ) -> dict[str, Any]:
     """``dcp.load`` a checkpoint that has *already been verified* against ``manifest``.
 
@@ -104,6 +117,79 @@ def load_verified(
             "or optimizer structure differs from the one that saved it",
             path=path,
         ) from None
+    if int(manifest.state.get("layout", 1)) == 1:
+        return _apply_layout1(
+            target,
+            manifest,
+            env=env,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            scaler=scaler,
+            sampler=sampler,
+            extra=extra,
+        )
+    saved = int(manifest.state.get("rng_ranks", 0))
+    per = {int(k[len("rank") :]): unwrap(RANK_TAG, v) for k, v in target["ranks"].items()}
+    own = per.get(env.rank)
+    if own is not None and own.get("buffers"):  # this rank's own buffers (BatchNorm statistics, ...)
+        for k in buffer_keys(model, target["model"]):
+            if k in own["buffers"] and isinstance(target["model"][k], torch.Tensor):
+                target["model"][k] = own["buffers"][k]
+    apply_loaded_state(target, model=model, optimizer=optimizer)
+    tr = unwrap(SHARED_TAG, target["train"])
+    for obj, key in ((scheduler, "scheduler"), (scaler, "scaler")):
+        if obj is not None and tr.get(key) is not None:
+            obj.load_state_dict(tr[key])
+    for obj, key in ((sampler, "sampler"), (extra, "extra")):
+        if obj is not None:
+            state = _rank_part(key, per, own, saved, env, reshard_state)
+            if state is not None:
+                obj.load_state_dict(state)
+    if own is not None:
+        restore_rng(own["rng"])
+    else:
+        # This rank did not exist when the checkpoint was saved (larger world now):
+        # a deterministic, rank-distinct seed instead of a copy of another rank's stream.
+        reseed_rng((manifest.step * 1_000_003 + env.rank) & 0x7FFFFFFF)
+        log.info("rank %d: no saved RNG state (saved at world size %d); reseeded", env.rank, manifest.world_size)
+    return dict(
+        tr, sampler=None if own is None else own.get("sampler"), extra=None if own is None else own.get("extra")
+    )
+
+
+def _rank_part(key: str, per: dict[int, Any], own: Any, saved: int, env: DistEnv, reshard_state: Reshard | None) -> Any:
+    """This rank's ``key`` state: its own at the saving world size; at another, the state every
+    saved rank had (if they were all equal), else what ``reshard_state`` says — never a silent
+    copy of one rank's position for another."""
+    if env.world_size == saved:
+        return own.get(key) if own is not None else None
+    states = [per[r].get(key) for r in range(saved)]
+    if all(states_equal(x, states[0]) for x in states):
+        return states[0]
+    if reshard_state is not None:
+        return reshard_state(key, states, env.rank, env.world_size)
+    raise ConfigError(
+        f"the {key} state was saved per rank at world size {saved} and differs between the ranks; resuming at "
+        f"world size {env.world_size} cannot give rank {env.rank} one of them as its own. Pass "
+        f"CheckpointManager(reshard_state=fn), fn(name, saved_states, rank, world) -> this rank's state "
+        f"(e.g. re-split the data position), or resume at world size {saved}"
+    )
+
+
+def _apply_layout1(
+    target: dict[str, Any],
+    manifest: Manifest,
+    *,
+    env: DistEnv,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any,
+    scaler: Any,
+    sampler: Any,
+    extra: Any,
+) -> dict[str, Any]:
+    """Checkpoints written before layout 2 (sampler and ``extra`` shared, RNG per rank)."""
     apply_loaded_state(target, model=model, optimizer=optimizer)
     tr = unwrap(TRAIN_TAG, target["train"])
     for obj, key in ((scheduler, "scheduler"), (scaler, "scaler"), (sampler, "sampler"), (extra, "extra")):
@@ -112,8 +198,5 @@ def load_verified(
     if "rng" in target:
         restore_rng(unwrap(RNG_TAG, target["rng"][rng_key(env.rank)]))
     else:
-        # This rank did not exist when the checkpoint was saved (larger world now):
-        # a deterministic, rank-distinct seed instead of a copy of another rank's stream.
         reseed_rng((manifest.step * 1_000_003 + env.rank) & 0x7FFFFFFF)
-        log.info("rank %d: no saved RNG state (saved at world size %d); reseeded", env.rank, manifest.world_size)
     return tr

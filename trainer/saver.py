@@ -36,6 +36,7 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
@@ -67,6 +68,18 @@ class _FaultingWriter(FileSystemWriter):
         fut.wait()  # FileSystemWriter writes synchronously: already done
         faults.maybe_crash("shards", self.step)
         return fut
+
+
+def canonical_planner() -> DefaultSavePlanner:
+    """DCP's planner, writing every replicated entry from the lowest rank that has it — rank 0.
+
+    DCP's default writes each replicated entry from whichever rank is least loaded, assuming
+    the copies are equal. They are not always: DDP's buffers differ between ranks until the
+    next forward broadcasts rank 0's, and a checkpoint stitched from several ranks (``bn1``
+    from one, ``bn2`` from another) restores a model no rank ever had. Rank 0 is DDP's own
+    canonical rank; what really is per rank goes into each rank's own entry (``state.py``).
+    """
+    return DefaultSavePlanner(dedup_save_to_lowest_rank=True)
 
 
 def files_of(metadata: Any) -> set[str]:
@@ -182,7 +195,9 @@ class AsyncSaver:
         if self.mode == "sync":
             upload: Future = Future()
             try:
-                upload.set_result(dcp.save(state, storage_writer=writer, process_group=self.group))
+                upload.set_result(
+                    dcp.save(state, storage_writer=writer, process_group=self.group, planner=canonical_planner())
+                )
             except BaseException as e:  # DCP's CheckpointException derives from BaseException
                 if isinstance(e, (KeyboardInterrupt, SystemExit)):
                     raise
@@ -193,6 +208,7 @@ class AsyncSaver:
                 state,
                 storage_writer=writer,
                 process_group=self.group,
+                planner=canonical_planner(),
                 async_stager=self._stager,
                 async_checkpointer_type=(
                     AsyncCheckpointerType.PROCESS if self.mode == "process" else AsyncCheckpointerType.THREAD
@@ -205,6 +221,7 @@ class AsyncSaver:
                 upload = resp
                 timing.staged_s = time.perf_counter() - t0
             timing.blocked_s = time.perf_counter() - t0
+            faults.maybe_crash("staging", req.step)  # the staged copy is being made in the background
         self._done = Future()
         threading.Thread(
             target=self._commit,

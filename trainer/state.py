@@ -4,11 +4,16 @@ The DCP state dict has four parts:
 
 ``model`` / ``optim``  via DCP's ``get_state_dict`` — sharded (DTensor) under FSDP2,
                        so each rank writes only its shard and a load reshards.
-``train``              step, LR scheduler, GradScaler, sampler position and user extras:
-                       identical on every rank (DCP stores one copy).
-``rng.rank<r>``        python, numpy, torch CPU (and CUDA) generator states: different
-                       on every rank, so keyed by rank. A resume at another world size
-                       restores the ranks that exist in both and reseeds the others.
+``train``              step, LR scheduler, GradScaler: identical on every rank, saved once,
+                       from rank 0 (the canonical rank, as DDP is for buffers).
+``ranks.rank<r>``      what is this rank's own: python, numpy, torch CPU (and CUDA) RNG
+                       states, the sampler / data loader state, ``extra``, and a copy of the
+                       module buffers — keyed by rank and restored to the same rank. At
+                       another world size: RNG of ranks that exist in both is restored and
+                       the others reseeded; a sampler or ``extra`` state that was equal on
+                       every rank is given to every rank, one that differed needs the
+                       ``reshard_state`` hook (else a clear error); buffers of new ranks
+                       are rank 0's (in ``model``).
 
 Snapshot consistency: parameters and optimizer state are only mutated by
 ``optimizer.step()``, which waits for staging (a step pre-hook in the manager).
@@ -68,8 +73,16 @@ def rng_key(rank: int) -> str:
 # saving and the loading job (a job without a sampler could not load one with). A
 # tuple is a leaf to DCP: wrapping each non-tensor part in one makes it a single
 # entry whose content may differ freely. The tag says what it is and its version.
-TRAIN_TAG = "ckptflow.train.v1"
-RNG_TAG = "ckptflow.rng.v1"
+LAYOUT = 2
+"""``manifest.state["layout"]``: 2 keeps per-rank state per rank (below); 1 (before) kept the
+sampler and ``extra`` in the shared ``train`` entry and only the RNG per rank."""
+TRAIN_TAG = "ckptflow.train.v1"  # layout 1: step, scheduler, scaler, sampler, extra
+RNG_TAG = "ckptflow.rng.v1"  # layout 1: one rank's RNG
+SHARED_TAG = "ckptflow.train.v2"  # layout 2: step, scheduler, scaler — the same on every rank
+RANK_TAG = "ckptflow.rank.v1"  # layout 2: rng, sampler, extra, buffers — this rank's own
+
+# Wrappers whose prefix get_state_dict drops from state-dict keys but named_buffers keeps.
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
 def wrap(tag: str, value: Any) -> tuple[str, Any]:
@@ -82,21 +95,40 @@ def unwrap(tag: str, leaf: Any) -> Any:
     return leaf[1]
 
 
-def _buffer_names(model: torch.nn.Module) -> set[str]:
-    return {name for name, _ in model.named_buffers()}
+def _plain_name(name: str) -> str:
+    while name.startswith(_WRAPPER_PREFIXES):
+        name = name.split(".", 1)[1]
+    return name
+
+
+def buffer_keys(model: torch.nn.Module, model_sd: dict[str, Any]) -> list[str]:
+    """The state-dict keys of the module's (persistent) buffers, DDP/compile prefixes resolved."""
+    names = {_plain_name(n) for n, _ in model.named_buffers()}
+    return sorted(k for k in model_sd if _plain_name(k) in names)
+
+
+def shared_state(step: int, *, scheduler: Any = None, scaler: Any = None) -> dict[str, Any]:
+    """The part every rank holds the same: saved once, from rank 0 (the canonical rank)."""
+    return {
+        "step": step,
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "scaler": scaler.state_dict() if scaler is not None else None,
+    }
+
+
+def rank_state(*, sampler: Any = None, extra: Any = None) -> dict[str, Any]:
+    """The user's state that may differ between ranks (a data loader's position, ``extra``)."""
+    return {
+        "sampler": sampler.state_dict() if sampler is not None else None,
+        "extra": extra.state_dict() if extra is not None else None,
+    }
 
 
 def train_state(
     step: int, *, scheduler: Any = None, scaler: Any = None, sampler: Any = None, extra: Any = None
 ) -> dict[str, Any]:
-    """The rank-independent ``train`` part of the state dict."""
-    return {
-        "step": step,
-        "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "scaler": scaler.state_dict() if scaler is not None else None,
-        "sampler": sampler.state_dict() if sampler is not None else None,
-        "extra": extra.state_dict() if extra is not None else None,
-    }
+    """Layout 1's ``train`` entry (kept for reading older checkpoints and benchmarks)."""
+    return {**shared_state(step, scheduler=scheduler, scaler=scaler), **rank_state(sampler=sampler, extra=extra)}
 
 
 def build_save_state(
@@ -105,22 +137,29 @@ def build_save_state(
     optimizer: torch.optim.Optimizer,
     rank: int,
     train: dict[str, Any],
+    per_rank: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The state dict handed to ``dcp.async_save`` for this rank.
+    """The state dict handed to ``dcp.async_save`` for this rank (layout 2).
 
     Model/optimizer tensors are *views* of live state, copied later by the async
-    stager; everything else is a private copy made now.
+    stager; everything else is a private copy made now. Replicated entries (the model
+    under DDP, ``train``) are written from rank 0 (``saver.py``'s planner); each rank's own
+    RNG, ``per_rank`` state (sampler, ``extra``) and module buffers go into its own entry,
+    because those are not equal across ranks: BatchNorm statistics under FSDP, or under DDP
+    until the next forward broadcasts rank 0's.
     """
     model_sd, optim_sd = get_state_dict(model, optimizer)
     # Buffers can change in a forward pass, which runs before staging completes.
-    for name in _buffer_names(model) & model_sd.keys():
+    buffers = {}
+    for name in buffer_keys(model, model_sd):
         t = model_sd[name]
-        model_sd[name] = t.detach().clone() if isinstance(t, torch.Tensor) else copy.deepcopy(t)
+        model_sd[name] = buffers[name] = t.detach().clone() if isinstance(t, torch.Tensor) else copy.deepcopy(t)
+    own = {"rng": capture_rng(), **copy.deepcopy(per_rank or rank_state()), "buffers": buffers}
     return {
         "model": model_sd,
         "optim": optim_sd,
-        "train": wrap(TRAIN_TAG, copy.deepcopy(train)),
-        "rng": {rng_key(rank): wrap(RNG_TAG, capture_rng())},
+        "train": wrap(SHARED_TAG, copy.deepcopy(train)),
+        "ranks": {rng_key(rank): wrap(RANK_TAG, own)},
     }
 
 
@@ -129,10 +168,16 @@ def build_load_target(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
     rank: int,
-    train: dict[str, Any],
-    saved_rng_ranks: int,
+    world: int,
+    saved_ranks: int,
+    layout: int = LAYOUT,
+    train: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A state dict of the right structure for ``dcp.load`` to fill in place."""
+    """A state dict of the right structure for ``dcp.load`` to fill in place.
+
+    Layout 2: at the saving world size each rank reads its own per-rank entry; at another
+    world size every rank reads every saved rank's (to decide what a resharded rank gets).
+    """
     if optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         target: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
@@ -140,10 +185,34 @@ def build_load_target(
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         target = {"model": get_model_state_dict(model)}
-    target["train"] = wrap(TRAIN_TAG, copy.deepcopy(train))
-    if rank < saved_rng_ranks:
-        target["rng"] = {rng_key(rank): wrap(RNG_TAG, capture_rng())}
+    if layout == 1:
+        target["train"] = wrap(TRAIN_TAG, copy.deepcopy(train or train_state(0)))
+        if rank < saved_ranks:
+            target["rng"] = {rng_key(rank): wrap(RNG_TAG, capture_rng())}
+        return target
+    target["train"] = wrap(SHARED_TAG, shared_state(0))
+    wanted = [rank] if world == saved_ranks else list(range(saved_ranks))
+    target["ranks"] = {rng_key(r): wrap(RANK_TAG, {}) for r in wanted}
     return target
+
+
+def states_equal(a: Any, b: Any) -> bool:
+    """Deep equality of two state dicts (tensors bitwise)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a, b)
+        )
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(states_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(states_equal(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and np.array_equal(a, b)
+    return bool(a == b)
 
 
 def apply_loaded_state(
