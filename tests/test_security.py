@@ -208,6 +208,60 @@ def test_a_malicious_metadata_never_runs_while_the_manifest_is_intact(
     assert layout.DCP_METADATA in str(out["codec_tool"]) and "refusing to parse" in str(out["codec_tool"])
 
 
+def test_a_malicious_metadata_with_a_forged_unsigned_manifest_never_runs_and_resume_falls_back(
+    tiny_run, tmp_path, monkeypatch
+):
+    """No signing key: the attacker replaces .metadata with a pickle whose __reduce__ runs code and
+    rewrites its size and checksum in the manifest. Every byte matches, yet nothing unpickles it:
+    verify reports it, the sanity step and the lifecycle refuse it, and resume falls back to step 4."""
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    run = _copy(tiny_run, tmp_path)
+    marker = str(tmp_path / "PWNED")
+    _evil_metadata(run, marker, update_manifest=True)
+    out = _every_reader(run, tmp_path, None)
+    assert not os.path.exists(marker), "a pickle from storage ran"
+    why = "which DCP never writes there"
+    assert out["verify_cli"].returncode == 1 and why in out["verify_cli"].stderr
+    assert out["sanity"].returncode == 1 and why in out["sanity"].stdout
+    lv = out["lifecycle_verify"]
+    assert not lv.ok and lv.record == "quarantined" and why in lv.reasons[0]
+    rep = out["resume"]
+    assert rep.chosen.step == 4 and any(p == step_dir(run, 6) and why in w for p, w in rep.skipped), rep.skipped
+    train = out["training_resume"]
+    assert train.returncode == 0 and f"resumed from {step_dir(run, 4)}" in train.stderr, train.stderr[-2000:]
+    # and on its own (no quarantine record yet): the load's reader refuses it, the job falls back
+    other = tmp_path / "other"
+    os.makedirs(other)
+    run2 = _copy(tiny_run, other)
+    _evil_metadata(run2, marker, update_manifest=True)
+    r = subprocess.run(
+        [
+            PY,
+            "-m",
+            "ckptflow.trainer.train",
+            "--parallel",
+            "none",
+            "--ckpt-root",
+            os.path.dirname(run2),
+            "--run-id",
+            "tiny",
+            "--model",
+            "tiny",
+            "--max-steps",
+            "8",
+            "--save-every",
+            "2",
+        ],
+        cwd=REPO,
+        env=torchrun_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0 and f"resumed from {step_dir(run2, 4)}" in r.stderr, r.stderr[-2000:]
+    assert why in r.stderr and not os.path.exists(marker)
+
+
 def test_a_malicious_metadata_with_a_forged_manifest_is_refused_when_signing_is_on(
     signed_run, tmp_path, monkeypatch, s3_endpoint, s3_bucket
 ):

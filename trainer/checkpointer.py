@@ -29,7 +29,7 @@ import torch.distributed as dist
 from ckptflow.trainer import commit, events, layout
 from ckptflow.trainer.checksum import hash_bytes
 from ckptflow.trainer.distenv import DistEnv, init_distributed
-from ckptflow.trainer.errors import ConfigError, SaveError
+from ckptflow.trainer.errors import ConfigError, IntegrityError, SaveError
 from ckptflow.trainer.loader import Reshard, files_read, load_target, load_verified
 from ckptflow.trainer.manifest import FileEntry, Manifest
 from ckptflow.trainer.nodes import not_recoverable_error, recover, resume_point
@@ -372,33 +372,49 @@ class CheckpointManager:
         if self.topology.scope == "node":
             return self._load_nodes()
         env = self.env
-        rep = find_resume_point(self.run_path, rank=env.rank, world=env.world_size, group=env.ckpt_group)
-        for path, why in rep.skipped:
+        skipped: list[tuple[str, str]] = []
+        after: int | None = None
+        while True:
+            # Cheap checks here (manifest, every file there with its size); the load reads every
+            # byte once and verifies it as it reads, and a file that does not match fails the
+            # load on every rank, so all ranks move on to the next older checkpoint together.
+            rep = find_resume_point(
+                self.run_path, rank=env.rank, world=env.world_size, group=env.ckpt_group, deep=False, after=after
+            )
+            skipped += [x for x in rep.skipped if x not in skipped]
+            if rep.chosen is None:
+                break
+            mism = check_provenance(
+                rep.chosen.manifest,
+                rep.chosen.path,
+                config_hash=self.provenance.config_hash,
+                data_fingerprint=self.provenance.data_fingerprint,
+                allow_mismatch=self.cfg.allow_mismatch,
+            )
+            try:
+                self._load_checkpoint_dir(rep.chosen.path, rep.chosen.manifest)
+                break
+            except IntegrityError as e:
+                skipped.append((rep.chosen.path, str(e)))
+                after = rep.chosen.step
+        for path, why in skipped:
             if env.rank == 0:
                 log.warning("resume: skipping %s: %s", path, why)
         if rep.chosen is None:
-            if self.cfg.resume == "required" or rep.skipped:
+            if self.cfg.resume == "required" or skipped:
                 # Checkpoints exist but none verifies: starting over silently would
                 # throw away days of training; make the operator decide.
-                raise no_checkpoint_error(self.run_path, rep.skipped)
+                raise no_checkpoint_error(self.run_path, skipped)
             self.last_load = LoadResult(0, None)
             return self.last_load
-        mism = check_provenance(
-            rep.chosen.manifest,
-            rep.chosen.path,
-            config_hash=self.provenance.config_hash,
-            data_fingerprint=self.provenance.data_fingerprint,
-            allow_mismatch=self.cfg.allow_mismatch,
-        )
         for m in mism:
             log.warning("resume despite mismatch (allow_mismatch): %s", m)
-        self._load_checkpoint_dir(rep.chosen.path, rep.chosen.manifest)
         if env.rank == 0:
             if rep.latest_was != rep.chosen.step:
                 log.warning("resume: 'latest' named %s; repaired to step %d", rep.latest_was, rep.chosen.step)
                 commit.write_latest(self.run_path, rep.chosen.step)
             log.info("resumed from %s (step %d)", rep.chosen.path, rep.chosen.step)
-        self.last_load = LoadResult(rep.chosen.step, rep.chosen.path, rep.skipped, mism)
+        self.last_load = LoadResult(rep.chosen.step, rep.chosen.path, skipped, mism)
         return self.last_load
 
     def _load_nodes(self) -> LoadResult:

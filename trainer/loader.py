@@ -15,10 +15,10 @@ import torch
 from ckptflow.trainer.distenv import DistEnv
 from ckptflow.trainer.errors import ConfigError, IntegrityError
 from ckptflow.trainer.manifest import Manifest
+from ckptflow.trainer.safetree import decode
 from ckptflow.trainer.state import (
-    RANK_TAG,
+    RANKS,
     RNG_TAG,
-    SHARED_TAG,
     TRAIN_TAG,
     apply_loaded_state,
     buffer_keys,
@@ -49,8 +49,15 @@ def load_target(
     scaler: Any = None,
     sampler: Any = None,
     extra: Any = None,
+    metadata: Any = None,
 ) -> dict[str, Any]:
-    """The state dict ``dcp.load`` fills for this rank (its structure decides what is read)."""
+    """The state dict ``dcp.load`` fills for this rank (its structure decides what is read).
+    ``metadata``: DCP's (parsed by the restricted reader), for the sizes of the per-rank entries."""
+    sizes = {}
+    if metadata is not None:
+        for fqn, md in metadata.state_dict_metadata.items():
+            if fqn.startswith(f"{RANKS}.") and hasattr(md, "size"):
+                sizes[fqn] = int(md.size[0]) if len(md.size) else 0
     return build_load_target(
         model=model,
         optimizer=optimizer,
@@ -59,6 +66,7 @@ def load_target(
         saved_ranks=int(manifest.state.get("rng_ranks", 0)),
         layout=int(manifest.state.get("layout", 1)),
         train=train_state(0, scheduler=scheduler, scaler=scaler, sampler=sampler, extra=extra),
+        entry_bytes=sizes,
     )
 
 
@@ -91,12 +99,23 @@ def load_verified(
     extra: Any = None,
     reshard_state: Reshard | None = None,
 ) -> dict[str, Any]:
-    """``dcp.load`` a checkpoint that has *already been verified* against ``manifest``.
+    """``dcp.load`` the checkpoint in ``path`` — its manifest authenticated, its files not yet read.
 
-    Returns the loaded ``train`` dict. DCP reshards to the current world size.
+    Every byte is read once, through :class:`~ckptflow.trainer.reader.VerifiedReader`: each
+    file is checked against ``manifest`` as it is read and before any of it is handed on, and
+    nothing is unpickled. A file that does not match raises ``IntegrityError`` on every rank
+    (DCP gathers the ranks' errors), so the caller can fall back together. DCP reshards to
+    the current world size. Returns the loaded ``train`` dict.
     """
     import torch.distributed.checkpoint as dcp
 
+    from ckptflow.trainer.reader import SafeLoadPlanner, VerifiedReader
+
+    reader = VerifiedReader(path, manifest)
+    try:
+        md = reader.read_metadata()
+    except IntegrityError:
+        md = None  # every rank reads the same file; the load below fails the same way on all of them
     target = load_target(
         manifest,
         env=env,
@@ -106,15 +125,17 @@ def load_verified(
         scaler=scaler,
         sampler=sampler,
         extra=extra,
+        metadata=md,
     )
     try:
-        dcp.load(target, checkpoint_id=path, process_group=env.ckpt_group)
+        dcp.load(target, storage_reader=reader, planner=SafeLoadPlanner(), process_group=env.ckpt_group)
     except BaseException as e:  # DCP's CheckpointException derives from BaseException
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
+        first = _first_cause(e)
         raise IntegrityError(
-            f"{path}: DCP could not load a checkpoint that verified ({e!r}); the model "
-            "or optimizer structure differs from the one that saved it",
+            f"{path}: could not load it ({first}); damaged, or the model or optimizer "
+            "structure differs from the one that saved it",
             path=path,
         ) from None
     if int(manifest.state.get("layout", 1)) == 1:
@@ -130,14 +151,17 @@ def load_verified(
             extra=extra,
         )
     saved = int(manifest.state.get("rng_ranks", 0))
-    per = {int(k[len("rank") :]): unwrap(RANK_TAG, v) for k, v in target["ranks"].items()}
+    per = {
+        int(k[len("rank") :]): decode(v.numpy().tobytes(), source=f"{path}: {RANKS}.{k}")
+        for k, v in target[RANKS].items()
+    }
     own = per.get(env.rank)
     if own is not None and own.get("buffers"):  # this rank's own buffers (BatchNorm statistics, ...)
         for k in buffer_keys(model, target["model"]):
             if k in own["buffers"] and isinstance(target["model"][k], torch.Tensor):
                 target["model"][k] = own["buffers"][k]
     apply_loaded_state(target, model=model, optimizer=optimizer)
-    tr = unwrap(SHARED_TAG, target["train"])
+    tr = own if own is not None else per.get(0) or {}  # scheduler, scaler: the same on every rank
     for obj, key in ((scheduler, "scheduler"), (scaler, "scaler")):
         if obj is not None and tr.get(key) is not None:
             obj.load_state_dict(tr[key])
@@ -153,9 +177,20 @@ def load_verified(
         # a deterministic, rank-distinct seed instead of a copy of another rank's stream.
         reseed_rng((manifest.step * 1_000_003 + env.rank) & 0x7FFFFFFF)
         log.info("rank %d: no saved RNG state (saved at world size %d); reseeded", env.rank, manifest.world_size)
-    return dict(
-        tr, sampler=None if own is None else own.get("sampler"), extra=None if own is None else own.get("extra")
-    )
+    return {k: tr.get(k) for k in ("step", "scheduler", "scaler")} | {
+        "sampler": None if own is None else own.get("sampler"),
+        "extra": None if own is None else own.get("extra"),
+    }
+
+
+def _first_cause(e: BaseException) -> str:
+    """The first rank's own error out of DCP's CheckpointException (which wraps one per rank)."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, err = sorted(failures.items())[0]
+        err = getattr(err, "args", [err])[0] if not isinstance(err, BaseException) else err
+        return f"rank {rank}: {err}"
+    return repr(e)
 
 
 def _rank_part(key: str, per: dict[int, Any], own: Any, saved: int, env: DistEnv, reshard_state: Reshard | None) -> Any:

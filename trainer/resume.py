@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ckptflow.trainer import commit, layout
 from ckptflow.trainer.errors import CheckpointNotFoundError, MismatchError
 from ckptflow.trainer.manifest import Manifest
-from ckptflow.trainer.verify import share_of_files, verify_checkpoint
+from ckptflow.trainer.verify import check_present, share_of_files, verify_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -42,13 +42,28 @@ class ResumeReport:
     latest_was: int | None
 
 
-def _verify_together(path: str, rank: int, world: int, group) -> tuple[Manifest | None, list[str]]:
-    """All ranks verify one checkpoint, each hashing its share; returns agreed problems."""
+def _verify_together(
+    path: str, rank: int, world: int, group, *, deep: bool = True
+) -> tuple[Manifest | None, list[str]]:
+    """All ranks check one checkpoint and agree on the problems.
+
+    ``deep``: each rank hashes its share of the files. Not deep: the manifest is read and
+    authenticated and every listed file must exist with its size (no bytes read) — the load
+    then verifies every byte as it reads it (``trainer/reader.py``), so resume reads each byte
+    once instead of twice.
+    """
     whole = verify_checkpoint(path, only=[])  # manifest only: cheap, every rank reads it
     problems: list[str] = [str(p) for p in whole.problems]
     if whole.manifest is not None:
-        mine = share_of_files(whole.manifest, rank, world)
-        problems += [str(p) for p in verify_checkpoint(path, only=mine).problems]
+        if deep:
+            mine = share_of_files(whole.manifest, rank, world)
+            problems += [str(p) for p in verify_checkpoint(path, only=mine).problems]
+        elif rank == 0:
+            problems += [
+                str(p)
+                for n, e in sorted(whole.manifest.files.items())
+                if (p := check_present(path, n, e.size)) is not None
+            ]
     if world > 1:
         allp: list = [None] * world
         dist.all_gather_object(allp, problems, group=group)
@@ -56,18 +71,25 @@ def _verify_together(path: str, rank: int, world: int, group) -> tuple[Manifest 
     return (whole.manifest if not problems else None), problems
 
 
-def find_resume_point(run_path: str, *, rank: int = 0, world: int = 1, group=None) -> ResumeReport:
+def find_resume_point(
+    run_path: str, *, rank: int = 0, world: int = 1, group=None, deep: bool = True, after: int | None = None
+) -> ResumeReport:
+    """The newest committed checkpoint that checks out (``deep``: every byte hashed; else the
+    cheap checks of :func:`_verify_together`, the load verifying the bytes). ``after``: only
+    steps older than that (the next candidate after a load that failed)."""
     latest = commit.read_latest(run_path)
     steps = commit.committed_steps(run_path)
     skipped: list[tuple[str, str]] = []
     if latest is not None and latest not in steps:
         skipped.append((os.path.join(run_path, layout.step_name(latest)), "named by 'latest' but missing"))
     for step in steps:
+        if after is not None and step >= after:
+            continue
         path = os.path.join(run_path, layout.step_name(step))
         if commit.is_quarantined(run_path, step):
             skipped.append((path, "quarantined by the lifecycle's verify stage"))
             continue
-        manifest, problems = _verify_together(path, rank, world, group)
+        manifest, problems = _verify_together(path, rank, world, group, deep=deep)
         if manifest is None:
             skipped.append((path, "; ".join(problems)))
             continue

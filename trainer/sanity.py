@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ckptflow.trainer.distenv import init_distributed, shutdown
-from ckptflow.trainer.errors import CkptflowError, ConfigError
+from ckptflow.trainer.errors import CkptflowError, ConfigError, IntegrityError
 from ckptflow.trainer.loader import load_verified
 from ckptflow.trainer.resume import _verify_together
 
@@ -107,7 +107,9 @@ def _row(name: str, kind: str, t: torch.Tensor) -> dict[str, Any]:
 def run(ckpt_dir: str, *, rtol: float = 1e-5, want_stats: bool = False) -> dict[str, Any]:
     t0 = time.perf_counter()
     env = init_distributed()
-    manifest, problems = _verify_together(ckpt_dir, env.rank, env.world_size, env.ckpt_group)
+    # The cheap checks (manifest, every file present with its size) here; the load verifies
+    # every byte as it reads it, before any of it reaches the model.
+    manifest, problems = _verify_together(ckpt_dir, env.rank, env.world_size, env.ckpt_group, deep=False)
     t_verify = time.perf_counter() - t0
     out: dict[str, Any] = {"ckpt": ckpt_dir, "world_size": env.world_size, "ok": False}
     if manifest is None:
@@ -122,7 +124,13 @@ def run(ckpt_dir: str, *, rtol: float = 1e-5, want_stats: bool = False) -> dict[
         torch.set_num_threads(int(san["torch_threads"]))
     built = resolve_builder(san["builder"])(san["config"], parallel="fsdp" if env.world_size > 1 else "none")
     t1 = time.perf_counter()
-    load_verified(ckpt_dir, manifest, env=env, model=built.model, optimizer=built.optimizer, scheduler=built.scheduler)
+    try:
+        load_verified(
+            ckpt_dir, manifest, env=env, model=built.model, optimizer=built.optimizer, scheduler=built.scheduler
+        )
+    except IntegrityError as e:
+        out.update(error="integrity", problems=[str(e)])
+        return out
     t_load = time.perf_counter() - t1
     t2 = time.perf_counter()
     built.probe = torch.tensor(san["probe"]["tokens"], dtype=torch.long)

@@ -4,11 +4,11 @@ The DCP state dict has four parts:
 
 ``model`` / ``optim``  via DCP's ``get_state_dict`` — sharded (DTensor) under FSDP2,
                        so each rank writes only its shard and a load reshards.
-``train``              step, LR scheduler, GradScaler: identical on every rank, saved once,
-                       from rank 0 (the canonical rank, as DDP is for buffers).
-``ranks.rank<r>``      what is this rank's own: python, numpy, torch CPU (and CUDA) RNG
-                       states, the sampler / data loader state, ``extra``, and a copy of the
-                       module buffers — keyed by rank and restored to the same rank. At
+``ranks.rank<r>``      one ``uint8`` tensor per rank in a pickle-free encoding (``safetree``):
+                       step, LR scheduler, GradScaler (the same on every rank), the rank's own
+                       python, numpy, torch CPU (and CUDA) RNG states, the sampler / data
+                       loader state, ``extra``, and a copy of the module buffers — restored
+                       to the same rank (scheduler and scaler from rank 0's elsewhere). At
                        another world size: RNG of ranks that exist in both is restored and
                        the others reseeded; a sampler or ``extra`` state that was equal on
                        every rank is given to every rank, one that differed needs the
@@ -74,12 +74,13 @@ def rng_key(rank: int) -> str:
 # tuple is a leaf to DCP: wrapping each non-tensor part in one makes it a single
 # entry whose content may differ freely. The tag says what it is and its version.
 LAYOUT = 2
-"""``manifest.state["layout"]``: 2 keeps per-rank state per rank (below); 1 (before) kept the
-sampler and ``extra`` in the shared ``train`` entry and only the RNG per rank."""
+"""``manifest.state["layout"]``. 2: each rank's non-tensor state is one ``uint8`` tensor
+``ranks.rank<r>`` in ckptflow's pickle-free encoding (``safetree.py``). 1 (before): pickled
+tuples, the sampler and ``extra`` shared in ``train`` and only the RNG per rank (still read,
+through PyTorch's restricted loader)."""
 TRAIN_TAG = "ckptflow.train.v1"  # layout 1: step, scheduler, scaler, sampler, extra
 RNG_TAG = "ckptflow.rng.v1"  # layout 1: one rank's RNG
-SHARED_TAG = "ckptflow.train.v2"  # layout 2: step, scheduler, scaler — the same on every rank
-RANK_TAG = "ckptflow.rank.v1"  # layout 2: rng, sampler, extra, buffers — this rank's own
+RANKS = "ranks"
 
 # Wrappers whose prefix get_state_dict drops from state-dict keys but named_buffers keeps.
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
@@ -154,13 +155,10 @@ def build_save_state(
     for name in buffer_keys(model, model_sd):
         t = model_sd[name]
         model_sd[name] = buffers[name] = t.detach().clone() if isinstance(t, torch.Tensor) else copy.deepcopy(t)
-    own = {"rng": capture_rng(), **copy.deepcopy(per_rank or rank_state()), "buffers": buffers}
-    return {
-        "model": model_sd,
-        "optim": optim_sd,
-        "train": wrap(SHARED_TAG, copy.deepcopy(train)),
-        "ranks": {rng_key(rank): wrap(RANK_TAG, own)},
-    }
+    from ckptflow.trainer.safetree import encode_tensor
+
+    own = {**train, "rng": capture_rng(), **(per_rank or rank_state()), "buffers": buffers}
+    return {"model": model_sd, "optim": optim_sd, RANKS: {rng_key(rank): encode_tensor(own)}}
 
 
 def build_load_target(
@@ -172,11 +170,13 @@ def build_load_target(
     saved_ranks: int,
     layout: int = LAYOUT,
     train: dict[str, Any] | None = None,
+    entry_bytes: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """A state dict of the right structure for ``dcp.load`` to fill in place.
 
     Layout 2: at the saving world size each rank reads its own per-rank entry; at another
     world size every rank reads every saved rank's (to decide what a resharded rank gets).
+    ``entry_bytes``: the size of each ``ranks.rank<r>`` entry (from DCP's metadata).
     """
     if optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -190,9 +190,10 @@ def build_load_target(
         if rank < saved_ranks:
             target["rng"] = {rng_key(rank): wrap(RNG_TAG, capture_rng())}
         return target
-    target["train"] = wrap(SHARED_TAG, shared_state(0))
+    sizes = entry_bytes or {}
     wanted = [rank] if world == saved_ranks else list(range(saved_ranks))
-    target["ranks"] = {rng_key(r): wrap(RANK_TAG, {}) for r in wanted}
+    wanted = [r for r in wanted if f"{RANKS}.{rng_key(r)}" in sizes]
+    target[RANKS] = {rng_key(r): torch.empty(sizes[f"{RANKS}.{rng_key(r)}"], dtype=torch.uint8) for r in wanted}
     return target
 
 

@@ -68,6 +68,21 @@ def resolve_member(ckpt_dir: str, name: str) -> str:
     return path
 
 
+def check_present(ckpt_dir: str, name: str, size: int) -> Problem | None:
+    """The cheap half of :func:`check_file`: the file is there, inside the checkpoint, with its size."""
+    try:
+        path = resolve_member(ckpt_dir, name)
+    except UnsafePathError as e:
+        return Problem(os.path.join(ckpt_dir, name), str(e))
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return Problem(path, "missing")
+    if st.st_size != size:
+        return Problem(path, f"size {st.st_size} != {size} in the manifest (truncated or replaced)")
+    return None
+
+
 def check_file(ckpt_dir: str, name: str, size: int, checksum: str) -> Problem | None:
     try:
         path = resolve_member(ckpt_dir, name)
@@ -139,6 +154,16 @@ def verify_checkpoint(
     with ThreadPoolExecutor(max_workers=max(1, min(threads, len(todo)))) as ex:
         found = list(ex.map(lambda ne: check_file(ckpt_dir, ne[0], ne[1].size, ne[1].checksum), todo))
     res.problems.extend(p for p in found if p is not None)
+    if layout.DCP_METADATA in names and not any(p.path.endswith(layout.DCP_METADATA) for p in res.problems):
+        # Its bytes match the manifest; it must also be a DCP metadata file. An unsigned manifest
+        # can be rewritten to vouch for anything, so a file that does not parse (or asks for a
+        # class DCP never writes) is a damaged checkpoint, reported here and never loaded.
+        from ckptflow.trainer.dcpmeta import read_dcp_metadata
+
+        try:
+            read_dcp_metadata(ckpt_dir)
+        except IntegrityError as e:
+            res.problems.append(Problem(os.path.join(ckpt_dir, layout.DCP_METADATA), str(e)))
     res.bytes_checked = sum(e.size for _, e in todo)
     res.seconds = time.perf_counter() - t0
     return res

@@ -1,0 +1,175 @@
+"""Resume speed: ckptflow's verified load against a raw read of the same bytes, and DCP's own path.
+
+    python -m benchmarks.bench_load [--model small] [--reps 3]
+
+One process (world size 1) and the reference model. Two checkpoints are made first: one
+saved at world size 1, one at world size 2 (FSDP, two ranks) to measure a resharding load.
+Then, alternating so all see the same machine state, each ``--reps`` times:
+
+* **raw read, cold**: ``readinto`` of every file of the checkpoint, its pages evicted first
+  (``posix_fadvise(DONTNEED)`` after ``fsync``; ``fincore`` confirms none resident);
+* **verified raw read, warm**: the same read plus the manifest's xxh3 of every byte (what
+  anything that verifies every byte must at least do), pages resident;
+* **ckptflow load, cold / warm**: ``load_verified`` — the one read that verifies every byte
+  and fills the model (``trainer/reader.py``);
+* **DCP's own path, warm**: ``verify_checkpoint`` (read + hash) then ``dcp.load`` with its
+  ``FileSystemReader`` (reads again, ``torch.load`` per item): what a resume cost before;
+* **resharding load, warm**: the world-size-2 checkpoint into this one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+
+from ckptflow.harness import child_env, reference_job
+
+
+def drop_cache(paths: list[str]) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def resident(paths: list[str]) -> int | None:
+    try:
+        out = subprocess.run(
+            ["fincore", "--bytes", "--noheadings", "--output", "RES", *paths],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        return sum(int(x) for x in out.stdout.split()) if out.returncode == 0 else None
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+
+
+def raw_read(paths: list[str], *, hashing: bool = False) -> int:
+    from ckptflow.trainer.checksum import new_hasher
+
+    buf = bytearray(8 << 20)
+    view = memoryview(buf)
+    n = 0
+    for p in paths:
+        h = new_hasher() if hashing else None
+        with open(p, "rb", buffering=0) as f:
+            while got := f.readinto(view):
+                if h is not None:
+                    h.update(view[:got])
+                n += got
+    return n
+
+
+def make(root: str, model: str, nproc: int) -> str:
+    extra = ["--parallel", "fsdp"] if nproc > 1 else []
+    cmd = reference_job(root, "b", max_steps=2, save_every=2, nproc=nproc, model=model, extra=extra)
+    subprocess.run(cmd, check=True, capture_output=True, env=child_env(), timeout=900)
+    return os.path.join(root, "b", "step_000000002")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="small")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    work = tempfile.mkdtemp(prefix="ckptflow-bench-load-")
+    try:
+        one = make(os.path.join(work, "w1"), a.model, 1)
+        two = make(os.path.join(work, "w2"), a.model, 2)
+        res = run(one, two, a.model, a.reps)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    report(res)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+def run(one: str, two: str, model: str, reps: int) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    from ckptflow.trainer.distenv import init_distributed
+    from ckptflow.trainer.loader import load_target, load_verified
+    from ckptflow.trainer.manifest import read_manifest
+    from ckptflow.trainer.reference.build import TrainConfig, build
+    from ckptflow.trainer.reference.model import ModelConfig
+    from ckptflow.trainer.verify import verify_checkpoint
+
+    env = init_distributed()
+    b = build(TrainConfig(model=ModelConfig.preset(model).to_dict(), parallel="none").to_dict(), parallel="none")
+    files = [os.path.join(one, n) for n in sorted(os.listdir(one))]
+    nbytes = sum(os.path.getsize(f) for f in files)
+    m1, m2 = read_manifest(one), read_manifest(two)
+    t: dict[str, list[float]] = {}
+    residents: list = []
+
+    def timed(key: str, fn, *, cold: bool = False) -> None:  # noqa: ANN001
+        if cold:
+            drop_cache(files)
+            residents.append(resident(files))
+        else:
+            raw_read(files)  # warm
+        t0 = time.perf_counter()
+        fn()
+        t.setdefault(key, []).append(time.perf_counter() - t0)
+
+    def ours(path: str, m) -> None:  # noqa: ANN001
+        load_verified(path, m, env=env, model=b.model, optimizer=b.optimizer, scheduler=b.scheduler)
+
+    def dcp_path() -> None:
+        verify_checkpoint(one).raise_if_bad()
+        target = load_target(m1, env=env, model=b.model, optimizer=b.optimizer, scheduler=b.scheduler)
+        target.pop("ranks", None)  # sized from the metadata only by our reader; the rest is what DCP reads
+        dcp.load(target, checkpoint_id=one, process_group=env.ckpt_group)
+
+    for _ in range(reps):
+        timed("raw_cold", lambda: raw_read(files), cold=True)
+        timed("ours_cold", lambda: ours(one, m1), cold=True)
+        timed("verified_raw_warm", lambda: raw_read(files, hashing=True))
+        timed("ours_warm", lambda: ours(one, m1))
+        timed("dcp_warm", dcp_path)
+        timed("reshard_warm", lambda: ours(two, m2))
+    med = {k: statistics.median(v) for k, v in t.items()}
+    mbs = {k: nbytes / v / 1e6 for k, v in med.items()}
+    return {
+        "model": model,
+        "bytes": nbytes,
+        "files": len(files),
+        "seconds": t,
+        "MBps": mbs,
+        "resident_before_cold": residents,
+    }
+
+
+def report(res: dict) -> None:
+    r = res["MBps"]
+    print(f"model {res['model']}: {res['bytes'] / 1e6:.0f} MB in {res['files']} files, one process; MB/s (median)")
+    print(f"  raw read, cold                 {r['raw_cold']:7.0f}")
+    print(
+        f"  ckptflow load, cold            {r['ours_cold']:7.0f}  {r['ours_cold'] / r['raw_cold']:.2f}x raw cold "
+        "(target >= 0.8x)"
+    )
+    print(f"  verified raw read, warm        {r['verified_raw_warm']:7.0f}")
+    print(
+        f"  ckptflow load, warm            {r['ours_warm']:7.0f}  {r['ours_warm'] / r['verified_raw_warm']:.2f}x "
+        "verified raw warm (target >= 0.8x)"
+    )
+    print(f"  DCP's path (verify + dcp.load) {r['dcp_warm']:7.0f}  ckptflow is {r['ours_warm'] / r['dcp_warm']:.1f}x")
+    print(f"  resharding load (2 -> 1), warm {r['reshard_warm']:7.0f}")
+    print(f"  resident before the cold reads: {res['resident_before_cold']}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
