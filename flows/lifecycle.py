@@ -21,9 +21,11 @@ from prefect.cache_policies import NO_CACHE
 
 from ckptflow.flows.emit import artifact_key, emit
 from ckptflow.tasks.checkpoint import CheckpointRef
+from ckptflow.tasks.config import load_config
 from ckptflow.tasks.heartbeat import Heartbeat
 from ckptflow.tasks.stages import STAGES, Stage, StageRecord, run_stage
 from ckptflow.trainer import events, layout
+from ckptflow.trainer.errors import ConfigError
 
 FLOW_RUN_NAME = "lifecycle-{run_id}-step{step}"
 """How the lifecycle's flow runs are named; reconcile finds a step's runs by it."""
@@ -63,12 +65,36 @@ def run_stage_task(stage: Stage, ref: CheckpointRef) -> StageRecord | None:
 
 @flow(name="ckptflow-lifecycle", flow_run_name=FLOW_RUN_NAME, log_prints=True)
 def lifecycle(
-    run_id: str, step: int, uri: str = "", root: str | None = None, config: str | None = None
+    run_id: str,
+    step: int,
+    uri: str = "",
+    root: str | None = None,
+    config: str | None = None,
+    scope: str = "",
+    nodes: str = "",
 ) -> dict[str, Any]:
-    """Verify, compress, promote, archive and prune one committed checkpoint."""
-    ref = CheckpointRef.of(run_id, step, config=config, root=root, uri=uri)
-    with Heartbeat(ref.run_path, ref.step, owner={"flow_run_id": _flow_run_id()}):
-        return _stages(ref)
+    """Verify, compress, promote, archive and prune one committed checkpoint.
+
+    ``scope="node"`` (the commit event says so): saved on node-local hot roots by the nodes in
+    ``nodes`` (comma-separated ids); each node's part runs on that node's queue
+    (``flows/nodes.py``) and the records live on warm.
+    """
+    if scope == "node":
+        from ckptflow.flows.nodes import NODE_STAGES
+
+        cfg = load_config(config)
+        if cfg.warm is None:
+            raise ConfigError(
+                f"{cfg.source}: {run_id} step {step} was saved on node-local hot roots; its parts "
+                "are joined on the warm tier, and none is configured"
+            )
+        ref = CheckpointRef(cfg, run_id, int(step), records_tier="warm", nodes=tuple(n for n in nodes.split(",") if n))
+        table = NODE_STAGES
+    else:
+        ref = CheckpointRef.of(run_id, step, config=config, root=root, uri=uri)
+        table = STAGES
+    with Heartbeat(ref.records_path, ref.step, owner={"flow_run_id": _flow_run_id()}):
+        return _stages(ref, table)
 
 
 def _flow_run_id() -> str | None:
@@ -80,18 +106,18 @@ def _flow_run_id() -> str | None:
         return None
 
 
-def _stages(ref: CheckpointRef) -> dict[str, Any]:
+def _stages(ref: CheckpointRef, table: tuple[Stage, ...] = STAGES) -> dict[str, Any]:
     t0 = time.perf_counter()
-    out: dict[str, Any] = {"run_id": ref.run_id, "step": ref.step, "uri": ref.hot_dir}
+    out: dict[str, Any] = {"run_id": ref.run_id, "step": ref.step, "uri": ref.uri}
     rows = []
-    for stage in STAGES:
+    for stage in table:
         rec = run_stage_task(stage, ref)
         out[stage.name] = rec.as_dict() if rec is not None else None
         rows.append(_row(stage, rec))
         if rec is None:
             continue
         if not rec.ok:
-            emit(events.FAILED, ref.run_id, ref.step, {"reasons": rec.reasons, "uri": ref.hot_dir})
+            emit(events.FAILED, ref.run_id, ref.step, {"reasons": rec.reasons, "uri": ref.uri})
             out["status"] = "quarantined"
             _artifact(ref, rows, "quarantined")
             return out
@@ -106,7 +132,12 @@ def _stages(ref: CheckpointRef) -> dict[str, Any]:
 def _payload(stage: Stage, rec: StageRecord, ref: CheckpointRef) -> dict[str, Any]:
     if "tiers" in rec.body:  # prune: what went, per tier
         return {"deleted": {t: r["deleted"] for t, r in rec.body["tiers"].items()}}
-    return {"uri": rec.body.get("uri", ref.hot_dir), "tier": stage.tier or "hot", "seconds": rec.seconds}
+    return {
+        "uri": rec.body.get("uri", ref.uri),
+        "tier": stage.tier or ref.records_tier,
+        "seconds": rec.seconds,
+        **({"nodes": list(ref.nodes)} if ref.nodes else {}),
+    }
 
 
 def _row(stage: Stage, rec: StageRecord | None) -> tuple[str, str, str, str, str]:

@@ -219,10 +219,44 @@ def reconcile(
             len(moved),
             len(cleaned),
         )
+    if cfg.warm is not None:
+        out["nodes"] = _reconcile_nodes(cfg, config, queued_grace_s, run_lifecycles)
     return out
 
 
-def _run_lifecycle(cfg: CkptflowConfig, config: str | None, run_id: str, step: int) -> dict[str, Any]:
+def _reconcile_nodes(
+    cfg: CkptflowConfig, config: str | None, queued_grace_s: float, run_lifecycles: bool
+) -> dict[str, Any]:
+    """Checkpoints saved on node-local roots: every node's worker first stages its part of any
+    committed step warm lacks (a scan on its queue), then each such step whose lifecycle never
+    finished runs it here — the same decision as for the hot tier's steps."""
+    from ckptflow.flows.nodes import node_queues, scan_all, unfinished_node_steps
+
+    log = get_run_logger()
+    out: dict[str, Any] = {}
+    if node_queues():
+        log.info("node scans: %s", scan_all())
+    for run_id, steps in unfinished_node_steps(cfg).items():
+        records_path = layout.run_dir(cfg.warm.url, run_id) if cfg.warm is not None else ""
+        busy = in_flight_lifecycles(run_id)
+        done = []
+        for s, nodes in steps:
+            runs = busy.get(s, [])
+            action = decide(runs, heartbeat_alive(read_heartbeat(records_path, s)), queued_grace_s)
+            log.info("%s step %d (node-local): lifecycle %s", run_id, s, action.value)
+            if action in (Action.LEAVE_QUEUED, Action.LEAVE_RUNNING):
+                continue
+            for r in runs:
+                mark_crashed(r.id, "reconcile: no live heartbeat from a process running this lifecycle")
+            if run_lifecycles:
+                done.append(_run_lifecycle(cfg, config, run_id, s, scope="node", nodes=nodes))
+        out[run_id] = {"unfinished": [s for s, _ in steps], "processed": done}
+    return out
+
+
+def _run_lifecycle(
+    cfg: CkptflowConfig, config: str | None, run_id: str, step: int, *, scope: str = "", nodes: list[str] | None = None
+) -> dict[str, Any]:
     # One failing lifecycle (a store down past its retries, a step pruned under it) must not
     # hold back the steps and runs after it: its own run failed and alerted; reconcile
     # records it and goes on, and the next pass retries it.
@@ -233,6 +267,8 @@ def _run_lifecycle(cfg: CkptflowConfig, config: str | None, run_id: str, step: i
         uri=layout.join(run_path, layout.step_name(step)),
         root=cfg.hot.url,
         config=config,
+        scope=scope,
+        nodes=",".join(nodes or []),
         return_state=True,
     )
     if state.is_completed():

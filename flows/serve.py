@@ -51,6 +51,8 @@ LIFECYCLE_PARAMETERS = {
     "step": "{{ event.payload.step }}",
     "uri": "{{ event.payload.uri }}",
     "root": "{{ event.payload.root }}",
+    "scope": "{{ event.payload.scope }}",
+    "nodes": "{{ event.payload.nodes | join(',') }}",
 }
 
 DEPLOYMENTS = (
@@ -71,6 +73,11 @@ DEPLOYMENTS = (
         "missed commits, age-based tier moves, stale .tmp clean-up",
         concurrency_limit=1,
         interval_s=300,
+    ),
+    Deployment(
+        "node-part",
+        "ckptflow.flows.nodes:node_part",
+        "one node's part of a node-local checkpoint's lifecycle; runs on that node's queue node-<id>",
     ),
     Deployment(
         "restore-drill",

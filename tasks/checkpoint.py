@@ -27,6 +27,11 @@ class CheckpointRef:
     cfg: CkptflowConfig
     run_id: str
     step: int
+    records_tier: str = "hot"
+    """Where the stage records live: the trainer's hot root, or warm for a checkpoint saved on
+    node-local roots (no single hot root holds it; warm is where its parts are joined)."""
+    nodes: tuple[str, ...] = ()
+    """Node-local roots: the nodes that committed the checkpoint (the event's node list)."""
     _tiers: dict[str, Tier] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -48,9 +53,21 @@ class CheckpointRef:
         return layout.run_dir(self.cfg.hot.url, self.run_id)
 
     @property
+    def records_path(self) -> str:
+        """The run on the records tier: ``_lifecycle/`` (stage records, heartbeat, stats) is here."""
+        return layout.run_dir(getattr(self.cfg, self.records_tier).url, self.run_id)
+
+    @property
     def hot_dir(self) -> str:
         """The checkpoint's directory on the hot tier."""
         return layout.join(self.run_path, layout.step_name(self.step))
+
+    @property
+    def uri(self) -> str:
+        """Where the checkpoint is, as events and reports name it (warm for node-local roots)."""
+        if self.records_tier == "hot":
+            return self.hot_dir
+        return self.tier(self.records_tier).url_for(self.run_id, self.step)
 
     @property
     def name(self) -> str:

@@ -184,6 +184,9 @@ class LifecycleConfig:
     ``sanity_step``; None (the default) means "whenever the sanity step runs"."""
     max_norm_change: float = 0.5
     """Largest relative change of the parameter norm between consecutive checkpoints."""
+    node_part_timeout_s: float = 1800.0
+    """Node-local hot roots: how long the lifecycle waits for every node's part before it takes the
+    missing files over from replicas (a node whose worker is down delays only its own part)."""
 
     def __post_init__(self) -> None:
         if self.expectations is None:
@@ -194,6 +197,8 @@ class LifecycleConfig:
                 "expectations check the statistics of the state the sanity step restores; "
                 "turn the sanity step on, or the expectations off"
             )
+        if not self.node_part_timeout_s > 0:
+            raise _fail("lifecycle.node_part_timeout_s", self.node_part_timeout_s, "must be > 0")
         if not self.max_norm_change > 0:
             raise _fail("lifecycle.max_norm_change", self.max_norm_change, "must be > 0")
 

@@ -168,7 +168,12 @@ def unsafe_on_hot(cfg: CkptflowConfig, run_path: str, steps: Iterable[int]) -> s
 
 
 def prune_run(
-    cfg: CkptflowConfig, run_id: str, *, tiers: Iterable[str] | None = None, dry_run: bool = False
+    cfg: CkptflowConfig,
+    run_id: str,
+    *,
+    tiers: Iterable[str] | None = None,
+    dry_run: bool = False,
+    records_run_path: str | None = None,
 ) -> dict[str, PruneReport]:
     """Apply each tier's retention policy to one run, with the lifecycle's protections.
 
@@ -180,7 +185,7 @@ def prune_run(
     from ckptflow.tasks import records
     from ckptflow.tasks.retention import build_policy
 
-    run_path = layout.run_dir(cfg.hot.url, run_id)
+    run_path = records_run_path or layout.run_dir(cfg.hot.url, run_id)
     verified = [
         s for s in records.steps_with_records(run_path) if records.read_record(run_path, s, VERIFY.record) is not None
     ]

@@ -95,13 +95,13 @@ def run_stage(stage: Stage, ref: CheckpointRef) -> StageRecord | None:
     if stage.tier is not None and not ref.has(stage.tier):
         return None
     for name in (stage.record, records.QUARANTINED):
-        rec = records.read_record(ref.run_path, ref.step, name)
+        rec = records.read_record(ref.records_path, ref.step, name)
         if rec is not None:
             return StageRecord(stage.name, name, ref.run_id, ref.step, name != records.QUARANTINED, True, rec)
     done = stage.act(ref)
     faults.maybe_crash(f"{stage.name}.before_record", ref.step)
     name = stage.record if done.ok else records.QUARANTINED
-    body = records.write_record(ref.run_path, ref.step, name, done.body)
+    body = records.write_record(ref.records_path, ref.step, name, done.body)
     return StageRecord(stage.name, name, ref.run_id, ref.step, done.ok, False, body)
 
 

@@ -90,13 +90,18 @@ def _previous_verified(run_path: str, step: int) -> tuple[int | None, list[dict]
 
 
 def verify(
-    ref: CheckpointRef, *, sanity_step: bool = True, expectations: bool = True, max_norm_change: float = 0.5
+    ref: CheckpointRef,
+    *,
+    sanity_step: bool = True,
+    expectations: bool = True,
+    max_norm_change: float = 0.5,
+    ckpt_dir: str | None = None,
 ) -> VerifyOutcome:
-    """Integrity, then the sanity step, then the expectations, of the checkpoint on hot; the
-    first check that fails decides (the rest are not run)."""
-    run_path, step, run_id = ref.run_path, ref.step, ref.run_id
+    """Integrity, then the sanity step, then the expectations, of the checkpoint on hot (or in
+    ``ckpt_dir``: a complete copy fetched from warm); the first check that fails decides."""
+    run_path, step, run_id = ref.records_path, ref.step, ref.run_id
     t0 = time.perf_counter()
-    ckpt = ref.hot_dir
+    ckpt = ckpt_dir or ref.hot_dir
     if not os.path.isdir(ckpt):
         # Not a bad checkpoint but no checkpoint: a stale event, or pruned before its
         # lifecycle ran. Quarantining a name would be misleading; fail loudly instead.

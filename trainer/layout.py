@@ -48,6 +48,8 @@ EXPECTATIONS = "expectations.json"
 """Beside the records: the expectation suite's result for a step."""
 NODE_ID = "_node.json"
 """At a tier root on a node's own disk: that disk's node id (``trainer/topology.py``)."""
+PARTS_DIR = "parts"
+"""Beside a step's stage records on warm: each node's report of its staged part (node-local roots)."""
 SCOPE_DIR = "_scope"
 """In a run dir: the tokens ranks leave to find out which of them share the hot root."""
 

@@ -42,6 +42,9 @@ class Row:
     """Node-local roots: how many nodes hold each shard file."""
     hot_part: list[int] | None = None
     """Node-local roots: [files this node's hot root holds, files in the manifest]."""
+    parts: dict[str, str] = field(default_factory=dict)
+    """Node-local roots: each node's part on warm — staged, absent (the node had no copy),
+    waiting (no report yet) — until warm commits the whole (then: committed)."""
 
 
 @one_line_errors
@@ -154,6 +157,8 @@ def collect(cfg: Any, run_filter: str | None = None) -> tuple[list[Row], dict[st
                     if pl.get("scope") == "node":
                         row.nodes = [str(n.get("node")) for n in pl.get("nodes", [])]
                         row.replicas = pl.get("replicas")
+                        if tier.name == "warm":
+                            row.parts = dict.fromkeys(row.nodes, "committed")
                         if tier.name == "hot":
                             here = sum(tier.exists(tier.url_for(run, s, n)) for n in ck.manifest.files)
                             row.hot_part = [here, len(ck.manifest.files)]
@@ -169,6 +174,8 @@ def collect(cfg: Any, run_filter: str | None = None) -> tuple[list[Row], dict[st
             # EndpointConnectionError is no OSError); one dead tier must not hide the others
             first = (str(e).strip().splitlines() or [""])[0][:300]
             unreachable[tier.name] = f"{tier.url}: {type(e).__name__}: {first}"
+    if cfg.warm is not None:
+        _add_parts(cfg, found)
     hot_root = cfg.hot.url
     for (run, s), row in found.items():
         run_path = layout.run_dir(hot_root, run)
@@ -183,12 +190,28 @@ def collect(cfg: Any, run_filter: str | None = None) -> tuple[list[Row], dict[st
     return sorted(found.values(), key=lambda r: (r.run_id, r.step)), unreachable
 
 
+def _add_parts(cfg: Any, found: dict) -> None:
+    """Node-local checkpoints not yet whole on warm: each node's part, from the reports on warm."""
+    from ckptflow.tasks.storage import Tier
+    from ckptflow.tasks.transfer._parts import parts_status
+
+    warm = Tier(cfg.warm)
+    for (run, s), row in found.items():
+        if not row.nodes or "warm" in row.tiers:
+            continue
+        st = parts_status(warm, run, s)
+        row.parts = {n: str(st.reports.get(n, {}).get("status", "waiting")) for n in row.nodes}
+
+
 def _nodes_text(r: Row) -> str:
-    """``2 x2, here 3/5``: committed by 2 nodes, each shard on 2 of them, this node holds 3 of 5 files."""
+    """``2 x2, here 3/5, parts 1/2``: committed by 2 nodes, each shard on 2 of them, this node holds
+    3 of 5 files, 1 of the 2 nodes' parts staged on warm (all: the whole is committed there)."""
     if not r.nodes:
         return "-"
     here = f", here {r.hot_part[0]}/{r.hot_part[1]}" if r.hot_part else ""
-    return f"{len(r.nodes)} x{r.replicas}{here}"
+    done = sum(v in ("staged", "committed") for v in r.parts.values())
+    parts = f", parts {done}/{len(r.nodes)}" if r.parts else ""
+    return f"{len(r.nodes)} x{r.replicas}{here}{parts}"
 
 
 def status_text(r: Row) -> str:

@@ -27,6 +27,7 @@ from ckptflow.cli import (
     cmd_restore,
     cmd_serve,
     cmd_verify,
+    cmd_worker,
 )
 
 app = typer.Typer(
@@ -55,6 +56,7 @@ cmd_advise.register(app)
 cmd_codec.register(app)
 cmd_alerts.register(app)
 cmd_serve.register(app)
+cmd_worker.register(app)
 cmd_chaos.register(app)
 
 

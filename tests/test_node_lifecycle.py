@@ -1,0 +1,311 @@
+"""The lifecycle of checkpoints saved on node-local hot roots: every node's part on its own worker.
+
+Real parts: two simulated nodes (torchrun agents, their own hot folders), a Prefect server
+(the session's), a process worker per node on its own queue ``node-<id>`` started with that
+node's config, warm a shared folder, cold the moto S3 server. The lifecycle flow itself runs
+in this process (as the trigger would run it on a general worker) and fans the parts out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+
+import pytest
+
+from ckptflow.harness import NodeAgents, stop_group
+from ckptflow.tasks.storage import Tier
+from ckptflow.trainer import layout
+from ckptflow.trainer.events import read_outbox
+from tests.helpers import PY, REPO
+
+pytestmark = pytest.mark.slow
+RUN = "nl"
+POOL = "ckptflow-pool"
+
+
+def _config(path, hot, warm, s3_endpoint, bucket, *, part_timeout: float = 120) -> str:
+    path.write_text(f"""
+[hot]
+url = "{hot}"
+[hot.retention]
+keep_last = 1
+[warm]
+url = "{warm}"
+codec = "zstd"
+[warm.retention]
+keep_last = 2
+[cold]
+url = "s3://{bucket}/c"
+codec = "zstd"
+endpoint_url = "{s3_endpoint}"
+[cold.retention]
+keep_last = 5
+[lifecycle]
+sanity_step = true
+node_part_timeout_s = {part_timeout}
+""")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def deployed(prefect_api):
+    """The node-part deployment in the work pool (and nothing else of ours, so no trigger competes
+    with other tests); removed afterwards."""
+    from prefect.client.orchestration import get_client
+
+    env = dict(os.environ, PREFECT_API_URL=prefect_api)
+    subprocess.run(
+        [PY, "-m", "prefect", "work-pool", "create", POOL, "--type", "process"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    r = subprocess.run(
+        [
+            PY,
+            "-m",
+            "prefect",
+            "--no-prompt",
+            "deploy",
+            "--prefect-file",
+            "deployments/prefect.yaml",
+            "--name",
+            "node-part",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    yield prefect_api
+    with get_client(sync_client=True) as c:
+        try:
+            c.delete_deployment(c.read_deployment_by_name("ckptflow-node-part/node-part").id)
+        except Exception:
+            pass
+
+
+class Workers:
+    """A process worker per node, on that node's queue, with that node's config."""
+
+    def __init__(self, api: str, log_dir) -> None:
+        self.api, self.log_dir = api, log_dir
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, node: str, config: str) -> None:
+        env = dict(
+            os.environ,
+            PREFECT_API_URL=self.api,
+            CKPTFLOW_CONFIG=config,
+            PREFECT_WORKER_QUERY_SECONDS="1",
+            PREFECT_WORKER_PREFETCH_SECONDS="1",
+            OMP_NUM_THREADS="1",
+        )
+        log = open(os.path.join(self.log_dir, f"worker-{node}.log"), "ab")
+        self.procs[node] = subprocess.Popen(
+            [PY, "-m", "ckptflow.cli.main", "worker", "--pool", POOL, "--config", config],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def stop(self, node: str) -> None:
+        stop_group(self.procs.pop(node), timeout=10)
+
+    def stop_all(self) -> None:
+        for n in list(self.procs):
+            self.stop(n)
+
+
+def _train(tmp_path, nproc: int, replicas: int, *, steps: int = 8, every: int = 4) -> list[str]:
+    roots = [str(tmp_path / f"node{i}") for i in range(2)]
+    args = [
+        "--run-id",
+        RUN,
+        "--model",
+        "tiny",
+        "--max-steps",
+        str(steps),
+        "--save-every",
+        str(every),
+        "--replicas",
+        str(replicas),
+    ]
+    with NodeAgents(roots, args, nproc=nproc, log_dir=str(tmp_path / "logs")) as nodes:
+        nodes.start()
+        assert nodes.wait(300) == [0, 0], "\n".join(nodes.output(i)[-2000:] for i in range(2))
+    return roots
+
+
+def _node_id(root: str) -> str:
+    with open(os.path.join(root, layout.NODE_ID)) as f:
+        return json.load(f)["node"]
+
+
+def _commits(roots: list[str]) -> list[dict]:
+    return [x for r in roots for x in read_outbox(os.path.join(r, RUN))]
+
+
+def _setup(tmp_path, s3_endpoint, bucket, roots, **kw) -> tuple[dict[str, str], str]:
+    warm = str(tmp_path / "warm")
+    cfgs = {
+        _node_id(r): _config(tmp_path / f"n{i}.toml", r, warm, s3_endpoint, bucket, **kw) for i, r in enumerate(roots)
+    }
+    general = _config(tmp_path / "general.toml", str(tmp_path / "general-hot"), warm, s3_endpoint, bucket, **kw)
+    return cfgs, general
+
+
+def _lifecycle(commit: dict, config: str) -> dict:
+    from ckptflow.flows.lifecycle import lifecycle
+
+    return lifecycle(
+        run_id=commit["run_id"],
+        step=commit["step"],
+        uri=commit["uri"],
+        root=commit["root"],
+        config=config,
+        scope=commit["scope"],
+        nodes=",".join(commit["nodes"]),
+    )
+
+
+def _warm_cold(tmp_path, s3_endpoint, bucket) -> tuple[Tier, Tier]:
+    from ckptflow.tasks.config import load_config
+
+    cfg = load_config(str(tmp_path / "general.toml"))
+    return Tier(cfg.warm), Tier(cfg.cold)
+
+
+def test_two_nodes_by_two_ranks_every_checkpoint_ends_whole_on_warm_and_cold(
+    deployed, tmp_path, s3_endpoint, s3_bucket
+):
+    roots = _train(tmp_path, nproc=2, replicas=1)  # no replicas: each node's part only exists there
+    cfgs, general = _setup(tmp_path, s3_endpoint, s3_bucket, roots)
+    commits = _commits(roots)
+    assert [c["step"] for c in commits] == [4, 8] and all(
+        c["scope"] == "node" and len(c["nodes"]) == 2 for c in commits
+    )
+    w = Workers(deployed, tmp_path)
+    try:
+        for node, cfg in cfgs.items():
+            w.start(node, cfg)
+        outs = [_lifecycle(c, general) for c in commits]
+    finally:
+        w.stop_all()
+    assert [o["status"] for o in outs] == ["done", "done"], outs
+    warm, cold = _warm_cold(tmp_path, s3_endpoint, s3_bucket)
+    assert warm.committed_steps(RUN) == [8, 4] and cold.committed_steps(RUN) == [8, 4]
+    for s in (4, 8):
+        ck = warm.open_checkpoint(RUN, s)
+        assert sorted(ck.index.files) == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp"]
+        rec_dir = layout.lifecycle_dir(warm.url_for(RUN), s)
+        assert {"verified.json", "promoted.json", "archived.json", "pruned.json"} <= set(os.listdir(rec_dir))
+        assert sorted(os.listdir(os.path.join(rec_dir, layout.PARTS_DIR))) == sorted(
+            [f"{n}.json" for n in cfgs] + ["manifest.json"]
+        )
+    v = json.loads(open(os.path.join(layout.lifecycle_dir(warm.url_for(RUN), 8), "verified.json")).read())
+    assert v["sanity"]["probe_match"] == "bitwise"
+    for root in roots:  # hot keeps 1 by policy, and that is the newest global commit
+        assert Tier(_hot(root)).committed_steps(RUN) == [8]
+    assert not os.path.exists(warm.tmp_url(RUN, 8))
+    # ls from a node: which nodes committed each step, what this node holds, every part on warm
+    r = subprocess.run([PY, "-m", "ckptflow.cli.main", "ls", "--config", next(iter(cfgs.values())), "--json"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    rows = {x["step"]: x for x in json.loads(r.stdout)["checkpoints"]}
+    assert sorted(rows[8]["nodes"]) == sorted(cfgs) and rows[8]["replicas"] == 1
+    assert rows[8]["hot_part"][1] == 5 and 0 < rows[8]["hot_part"][0] < 5  # its part only: no replicas
+    assert set(rows[8]["parts"].values()) == {"committed"} and "hot" in rows[8]["tiers"]
+
+
+def _hot(root: str):
+    from ckptflow.tasks.config import TierConfig
+
+    return TierConfig(name="hot", url=root)
+
+
+def test_a_node_whose_worker_is_down_delays_only_its_part_and_reconcile_finishes(
+    deployed, tmp_path, s3_endpoint, s3_bucket
+):
+    roots = _train(tmp_path, nproc=1, replicas=1, steps=4)
+    cfgs, general = _setup(tmp_path, s3_endpoint, s3_bucket, roots, part_timeout=20)
+    (commit,) = _commits(roots)
+    nodes = list(cfgs)
+    down = nodes[1]
+    w = Workers(deployed, tmp_path)
+    warm, _ = _warm_cold(tmp_path, s3_endpoint, s3_bucket)
+    try:
+        w.start(nodes[0], cfgs[nodes[0]])
+        from ckptflow.flows.lifecycle import lifecycle
+
+        state = lifecycle(
+            run_id=RUN,
+            step=4,
+            uri=commit["uri"],
+            root=commit["root"],
+            config=general,
+            scope="node",
+            nodes=",".join(nodes),
+            return_state=True,
+        )
+        assert state.is_failed() and down in str(state.message) + str(state.result(raise_on_failure=False))
+        assert warm.committed_steps(RUN) == [], "warm never holds an incomplete checkpoint"
+        assert os.path.exists(warm.tmp_url(RUN, 4))  # the node that answered has its part staged
+        w.start(down, cfgs[down])  # the worker is back
+        from ckptflow.flows.reconcile import reconcile
+
+        out = reconcile(config=general)
+        assert out["nodes"][RUN]["processed"] == [{"step": 4, "status": "done"}], out
+    finally:
+        w.stop_all()
+    assert warm.committed_steps(RUN) == [4]
+
+
+def test_a_replaced_node_s_steps_finish_from_replicas(deployed, tmp_path, s3_endpoint, s3_bucket):
+    """Node 1 is lost after step 4 was committed and comes back as a new node (empty disk, new
+    id, new queue): step 4's lifecycle names the old node, whose queue nobody serves; after the
+    part timeout its files come from node 0's replicas, and step 4 ends whole on warm."""
+    roots = [str(tmp_path / f"node{i}") for i in range(2)]
+    args = ["--run-id", RUN, "--model", "tiny", "--max-steps", "8", "--save-every", "4", "--step-sleep", "0.3"]
+    with NodeAgents(roots, args, log_dir=str(tmp_path / "logs")) as nodes:
+        nodes.start()
+        deadline = time.monotonic() + 120
+        while not any(x["step"] == 4 for x in _commits(roots)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        first = _commits(roots)
+        nodes.kill(1)
+        nodes.kill(0)
+        nodes.wait(60)
+        shutil.rmtree(roots[1])
+        os.makedirs(roots[1])
+        nodes.args = args[:-2]
+        nodes.start()
+        assert nodes.wait(240) == [0, 0]
+    (c4,) = [x for x in first if x["step"] == 4]
+    cfgs, general = _setup(tmp_path, s3_endpoint, s3_bucket, roots, part_timeout=15)
+    assert set(c4["nodes"]) - set(cfgs), "node 1 came back with a new id"
+    w = Workers(deployed, tmp_path)
+    done = {}
+    try:
+        for node, cfg in cfgs.items():
+            w.start(node, cfg)
+        t = threading.Thread(target=lambda: done.setdefault("out", _lifecycle(c4, general)))
+        t.start()
+        t.join(600)
+    finally:
+        w.stop_all()
+    assert done["out"]["status"] == "done", done
+    assert "take-over" in json.dumps(done["out"]["promote"]["part_states"])
+    warm, cold = _warm_cold(tmp_path, s3_endpoint, s3_bucket)
+    assert 4 in warm.committed_steps(RUN) and 4 in cold.committed_steps(RUN)
