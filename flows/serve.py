@@ -40,6 +40,8 @@ class Deployment:
     cron_from_config: bool = False
     """Scheduled by ``[drill] schedule_cron`` / ``timezone`` of the config."""
     parameters: dict[str, Any] = field(default_factory=dict)
+    pool_only: bool = False
+    """Only under a work pool: it runs on a queue chosen per run (``serve()`` has no queues)."""
 
     def flow(self) -> Any:
         mod, _, name = self.entrypoint.partition(":")
@@ -78,6 +80,7 @@ DEPLOYMENTS = (
         "node-part",
         "ckptflow.flows.nodes:node_part",
         "one node's part of a node-local checkpoint's lifecycle; runs on that node's queue node-<id>",
+        pool_only=True,
     ),
     Deployment(
         "restore-drill",
@@ -89,18 +92,31 @@ DEPLOYMENTS = (
 )
 
 
-def deployments(config: str | None, reconcile_every_s: int | None = None) -> tuple[list[Any], Any]:
-    """The runner deployments of :data:`DEPLOYMENTS` for ``serve()``, and the loaded config."""
+def deployments(
+    config: str | None, reconcile_every_s: int | None = None, *, work_pool: str | None = None
+) -> tuple[list[Any], Any]:
+    """The deployments of :data:`DEPLOYMENTS`, and the loaded config: for ``serve()``, or with
+    ``work_pool`` for ``apply()`` to a process work pool (module entrypoints, each deployment's
+    concurrency limit; a node's part takes the node worker's own config, not ``config``)."""
     from prefect.client.schemas.schedules import CronSchedule
+    from prefect.deployments.runner import EntrypointType
     from prefect.events import DeploymentEventTrigger
 
     from ckptflow.tasks.config import load_config
 
     cfg = load_config(config)
-    params = {"config": config} if config else {}
     out = []
     for d in DEPLOYMENTS:
+        if d.pool_only and work_pool is None:
+            continue
+        params = {"config": config} if config and not d.pool_only else {}
         kw: dict[str, Any] = {"name": d.name, "description": d.description, "parameters": dict(params)}
+        if work_pool is not None:
+            kw.update(
+                work_pool_name=work_pool,
+                entrypoint_type=EntrypointType.MODULE_PATH,
+                concurrency_limit=d.concurrency_limit,
+            )
         if d.trigger is not None:
             kw["triggers"] = [
                 DeploymentEventTrigger(
@@ -116,6 +132,36 @@ def deployments(config: str | None, reconcile_every_s: int | None = None) -> tup
             kw["schedule"] = CronSchedule(cron=cfg.drill.schedule_cron, timezone=cfg.drill.timezone)
         out.append(d.flow().to_deployment(**kw))
     return out, cfg
+
+
+def ensure_pool(pool: str, queue: str | None = None) -> None:
+    """The process work pool ``pool`` (and its queue ``queue``) exist afterwards."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+    with get_client(sync_client=True) as c:
+        try:
+            c.read_work_pool(pool)
+        except ObjectNotFound:
+            try:
+                c.create_work_pool(WorkPoolCreate(name=pool, type="process"))
+            except ObjectAlreadyExists:
+                pass
+        if queue is not None:
+            try:
+                c.create_work_queue(name=queue, work_pool_name=pool)
+            except ObjectAlreadyExists:
+                pass
+
+
+def deploy(pool: str = "ckptflow-pool", config: str | None = None) -> list[str]:
+    """Register every deployment with the process work pool ``pool`` (creating it if missing):
+    what ``prefect deploy --prefect-file deployments/prefect.yaml --all`` does, from the package.
+    Returns the deployment ids."""
+    ensure_pool(pool)
+    deps, _ = deployments(config, work_pool=pool)
+    return [str(d.apply()) for d in deps]
 
 
 def main(argv: list[str] | None = None) -> int:

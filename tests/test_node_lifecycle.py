@@ -220,8 +220,13 @@ def test_two_nodes_by_two_ranks_every_checkpoint_ends_whole_on_warm_and_cold(
         assert Tier(_hot(root)).committed_steps(RUN) == [8]
     assert not os.path.exists(warm.tmp_url(RUN, 8))
     # ls from a node: which nodes committed each step, what this node holds, every part on warm
-    r = subprocess.run([PY, "-m", "ckptflow.cli.main", "ls", "--config", next(iter(cfgs.values())), "--json"],
-                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [PY, "-m", "ckptflow.cli.main", "ls", "--config", next(iter(cfgs.values())), "--json"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     rows = {x["step"]: x for x in json.loads(r.stdout)["checkpoints"]}
     assert sorted(rows[8]["nodes"]) == sorted(cfgs) and rows[8]["replicas"] == 1

@@ -15,6 +15,9 @@ def demo(
     model: str = typer.Option("mini", help="Model preset: tiny, mini (2.2M params), small (14M), medium."),
     kill_at: int = typer.Option(50, help="SIGKILL one worker after this step (0: no kill)."),
     timeout: float = typer.Option(600.0, help="Give up waiting for the lifecycles after this many seconds."),
+    nodes: int = typer.Option(
+        1, "--nodes", help="Simulate this many nodes, each with its own hot folder and lifecycle worker (2+)."
+    ),
 ) -> None:
     """Start Prefect and S3 locally, train 2 ranks with checkpoints, kill a worker, watch the
     run resume exactly, let every checkpoint's lifecycle run, drill a restore, and summarise.
@@ -25,23 +28,25 @@ def demo(
     from rich.console import Console
     from rich.table import Table
 
+    from ckptflow.demo.nodes import run_node_demo
     from ckptflow.demo.runner import DemoSettings, run_demo
 
     con = Console()
     # SIGTERM behaves like Ctrl-C: the supervisor's cleanup runs either way.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     con.print(f"[bold]ckptflow demo[/] — everything under {workdir.resolve()}")
-    out = run_demo(
-        DemoSettings(
-            workdir=str(workdir),
-            steps=steps,
-            save_every=save_every,
-            model=model,
-            kill_at=kill_at or None,
-            timeout_s=timeout,
-        ),
-        say=con.print,
+    settings = DemoSettings(
+        workdir=str(workdir),
+        steps=steps,
+        save_every=save_every,
+        model=model,
+        kill_at=kill_at or None,
+        timeout_s=timeout,
     )
+    if nodes > 1:
+        out = run_node_demo(settings, nodes, say=con.print)
+    else:
+        out = run_demo(settings, say=con.print)
     if out.training is not None and out.training.killed_pid:
         same, total = out.replay_identical
         con.print(
@@ -70,12 +75,16 @@ def demo(
             cell("warm"),
             cell("cold"),
             ver,
-            f"{len(r['stages'])}/5",
+            f"{len(r['stages'])}/{4 if nodes > 1 else 5}",
         )
     con.print(t)
     con.print(
-        "stages: verified, compressed, promoted, archived, pruned (a checkpoint that is gone from hot "
-        "was pruned there by retention; it lives on in warm and cold)"
+        (
+            "stages: promoted (every node's part joined on warm), verified (on the warm copy), archived, pruned"
+            if nodes > 1
+            else "stages: verified, compressed, promoted, archived, pruned"
+        )
+        + " (a checkpoint that is gone from hot was pruned there by retention; it lives on in warm and cold)"
     )
     d = out.drill or {}
     for r in d.get("results", []):

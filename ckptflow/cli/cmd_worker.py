@@ -40,7 +40,9 @@ def worker(
         from ckptflow.trainer.topology import node_id
 
         queue = queue_for(node_id(cfg.hot.url))
-        _ensure_queue(pool, queue)
+        from ckptflow.flows.serve import ensure_pool
+
+        ensure_pool(pool, queue)
     typer.echo(f"ckptflow: worker for queue {queue} of pool {pool} (hot root {cfg.hot.url})", err=True)
     env = dict(os.environ)
     if config is not None:
@@ -62,26 +64,6 @@ def worker(
         ],
         env,
     )
-
-
-def _ensure_queue(pool: str, queue: str) -> None:
-    from prefect.client.orchestration import get_client
-    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
-
-    with get_client(sync_client=True) as c:
-        try:
-            c.read_work_pool(pool)
-        except ObjectNotFound:
-            from prefect.client.schemas.actions import WorkPoolCreate
-
-            try:
-                c.create_work_pool(WorkPoolCreate(name=pool, type="process"))
-            except ObjectAlreadyExists:
-                pass
-        try:
-            c.create_work_queue(name=queue, work_pool_name=pool)
-        except ObjectAlreadyExists:
-            pass
 
 
 def register(app: typer.Typer) -> None:

@@ -20,6 +20,7 @@ from ckptflow.cli import (
     cmd_chaos,
     cmd_codec,
     cmd_demo,
+    cmd_deploy,
     cmd_drill,
     cmd_ls,
     cmd_pin,
@@ -56,6 +57,7 @@ cmd_advise.register(app)
 cmd_codec.register(app)
 cmd_alerts.register(app)
 cmd_serve.register(app)
+cmd_deploy.register(app)
 cmd_worker.register(app)
 cmd_chaos.register(app)
 
