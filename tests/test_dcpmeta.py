@@ -92,3 +92,18 @@ def test_persistent_ids_are_refused():
 def test_missing_file_is_file_not_found(tmp_path):
     with pytest.raises(FileNotFoundError):
         read_dcp_metadata(tmp_path)
+
+
+def test_the_chaos_audit_counts_the_restricted_reader_apart_from_a_plain_unpickle(dcp_dir):
+    # The corrupt trials assert "nothing was unpickled": the allow-listed reader every
+    # ckptflow path uses must not count, a plain pickle.load of the same bytes must.
+    from ckptflow.chaos.checks import NoUnpickle
+
+    with open(os.path.join(dcp_dir, ".metadata"), "rb") as f:
+        data = f.read()
+    with NoUnpickle() as audit:
+        read_dcp_metadata(dcp_dir)
+    assert audit.events == [] and audit.restricted > 0
+    with NoUnpickle() as audit:
+        pickle.loads(data)
+    assert ("torch.distributed.checkpoint.metadata", "Metadata") in audit.events

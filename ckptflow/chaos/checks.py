@@ -7,7 +7,9 @@
 * :func:`restore_check` — ``tasks.transfer.restore`` returns a checkpoint that verifies.
 * :func:`resume_problem` — ``trainer.resume.find_resume_point`` picks the expected step.
 * :class:`NoUnpickle` — proves a block of code unpickled nothing (a CPython audit hook on
-  ``pickle.find_class``, which fires for every global any pickle asks for).
+  ``pickle.find_class``, which fires for every global any pickle asks for) except through
+  ``trainer.dcpmeta``'s allow-listed reader of ``.metadata``, which resolves only DCP's own
+  record classes and is counted apart.
 * :func:`leftovers` — garbage a crash left (orphan objects, ``.tmp``/``.deleting`` dirs):
   not a broken promise, but reported, since nothing but age-based clean-up removes it.
 """
@@ -155,17 +157,28 @@ class NoUnpickle:
 
     Audit hooks cannot be removed, so one hook is installed per process and switched on
     for the calling thread only (other threads' pickles are not this block's doing).
+
+    A global resolved by ``trainer.dcpmeta``'s restricted unpickler is not an event but is
+    counted in ``n.restricted``: that reader is how every ckptflow path parses ``.metadata``
+    (after its checksum matched), it resolves only DCP's record classes and refuses the rest
+    before resolving them, so it runs no code a file asks for. Anything else (``pickle.load``,
+    ``torch.load``, DCP's own reader) is an event.
     """
 
     _installed = False
-    _active: dict[int, list[tuple[str, str]]] = {}
+    _active: dict[int, NoUnpickle] = {}
+    _restricted_code: object = None
 
     def __enter__(self) -> NoUnpickle:
         if not NoUnpickle._installed:
+            from ckptflow.trainer.dcpmeta import _MetadataUnpickler
+
+            NoUnpickle._restricted_code = _MetadataUnpickler.find_class.__code__
             sys.addaudithook(NoUnpickle._hook)
             NoUnpickle._installed = True
         self.events: list[tuple[str, str]] = []
-        NoUnpickle._active[threading.get_ident()] = self.events
+        self.restricted = 0
+        NoUnpickle._active[threading.get_ident()] = self
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -173,7 +186,15 @@ class NoUnpickle:
 
     @staticmethod
     def _hook(event: str, args: tuple) -> None:
-        if event == "pickle.find_class":
-            sink = NoUnpickle._active.get(threading.get_ident())
-            if sink is not None:
-                sink.append((str(args[0]), str(args[1])))
+        if event != "pickle.find_class":
+            return
+        sink = NoUnpickle._active.get(threading.get_ident())
+        if sink is None:
+            return
+        # The event is raised inside C's find_class; the nearest Python frame is whoever
+        # called it: the restricted unpickler's override, or a plain unpickler's caller.
+        caller = sys._getframe(1)
+        if caller.f_code is NoUnpickle._restricted_code:
+            sink.restricted += 1
+        else:
+            sink.events.append((str(args[0]), str(args[1])))
