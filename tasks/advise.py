@@ -41,7 +41,6 @@ costs a noticeable share of the MTBF.
 from __future__ import annotations
 
 import json
-import math
 import os
 import statistics
 from collections.abc import Iterable, Sequence
@@ -49,6 +48,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ckptflow.trainer.errors import ConfigError
+from ckptflow.trainer.optimum import (  # noqa: F401  (re-exported: the public names of this module)
+    _check,
+    availability,
+    daly_interval,
+    exact_interval,
+    waste_exact,
+    waste_first_order,
+    young_interval,
+)
 
 FORMULAS = {
     "young": "T = sqrt(2*S*M)  (Young 1974, first order)",
@@ -58,85 +66,6 @@ FORMULAS = {
     "waste_exact": "W(T) = 1 - A(T)",
 }
 DEFAULT_MULTIPLES = (0.25, 0.5, 1.0, 2.0, 4.0)
-
-
-def _check(**values: float) -> None:
-    for name, v in values.items():
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
-            raise ConfigError(f"{name}={v!r} must be a finite number")
-    for name in ("save_s", "mtbf_s", "interval_s", "step_s"):
-        if name in values and not values[name] > 0:
-            raise ConfigError(f"{name}={values[name]!r} must be > 0")
-    if "restore_s" in values and values["restore_s"] < 0:
-        raise ConfigError(f"restore_s={values['restore_s']!r} must be >= 0")
-
-
-# ---- the intervals -------------------------------------------------------------------
-
-
-def young_interval(save_s: float, mtbf_s: float) -> float:
-    """Young's first-order optimum ``sqrt(2·S·M)`` (minimises :func:`waste_first_order`)."""
-    _check(save_s=save_s, mtbf_s=mtbf_s)
-    return math.sqrt(2.0 * save_s * mtbf_s)
-
-
-def daly_interval(save_s: float, mtbf_s: float) -> float:
-    """Daly's higher-order estimate of the exact optimum (``M`` once ``S >= 2M``)."""
-    _check(save_s=save_s, mtbf_s=mtbf_s)
-    if save_s >= 2.0 * mtbf_s:
-        return mtbf_s
-    x = save_s / (2.0 * mtbf_s)
-    return math.sqrt(2.0 * save_s * mtbf_s) * (1.0 + math.sqrt(x) / 3.0 + x / 9.0) - save_s
-
-
-def exact_interval(save_s: float, mtbf_s: float) -> float:
-    """The interval that maximises :func:`availability` (exact model; see the module doc).
-
-    The root ``u = T/M`` in (0, 1) of ``g(u) = (1 − u)·e^{u + S/M} − 1``, which is
-    strictly decreasing there (``g(0) = e^{S/M} − 1 > 0``, ``g(1) = −1``). ``g`` is
-    evaluated as ``expm1(u + d) − u·e^{u + d}`` to keep precision when ``S ≪ M``.
-    """
-    _check(save_s=save_s, mtbf_s=mtbf_s)
-    d = save_s / mtbf_s
-    lo, hi = 0.0, 1.0
-    for _ in range(200):
-        mid = 0.5 * (lo + hi)
-        g = math.expm1(mid + d) - mid * math.exp(mid + d)
-        if g > 0:
-            lo = mid
-        else:
-            hi = mid
-        if hi - lo <= 1e-15 * hi:
-            break
-    return 0.5 * (lo + hi) * mtbf_s
-
-
-# ---- the waste of a given interval ---------------------------------------------------
-
-
-def waste_first_order(interval_s: float, save_s: float, restore_s: float, mtbf_s: float) -> float:
-    """``S/T + (T/2 + R)/M``: expected fraction of wall time lost (first order; can exceed 1
-    for absurd inputs, where the first-order model no longer holds)."""
-    _check(interval_s=interval_s, save_s=save_s, restore_s=restore_s, mtbf_s=mtbf_s)
-    return save_s / interval_s + (interval_s / 2.0 + restore_s) / mtbf_s
-
-
-def availability(interval_s: float, save_s: float, restore_s: float, mtbf_s: float) -> float:
-    """Expected fraction of wall time spent on new training (exact model, in (0, 1))."""
-    _check(interval_s=interval_s, save_s=save_s, restore_s=restore_s, mtbf_s=mtbf_s)
-    t, s, r, m = interval_s, save_s, restore_s, mtbf_s
-    # log form: no overflow for T+S ≫ M, and expm1 keeps precision for T+S ≪ M
-    log_den = r / m + _log_expm1((t + s) / m) + math.log(m)
-    return math.exp(math.log(t) - log_den)
-
-
-def waste_exact(interval_s: float, save_s: float, restore_s: float, mtbf_s: float) -> float:
-    """``1 − availability``: expected fraction of wall time lost (exact model)."""
-    return 1.0 - availability(interval_s, save_s, restore_s, mtbf_s)
-
-
-def _log_expm1(x: float) -> float:
-    return x + math.log(-math.expm1(-x)) if x > 30 else math.log(math.expm1(x))
 
 
 # ---- advice --------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from ckptflow.trainer import commit, events, layout
 from ckptflow.trainer.checksum import hash_bytes
 from ckptflow.trainer.distenv import DistEnv, init_distributed
 from ckptflow.trainer.errors import ConfigError, IntegrityError, SaveError
+from ckptflow.trainer.interval import AutoInterval
 from ckptflow.trainer.loader import Reshard, files_read, load_target, load_verified
 from ckptflow.trainer.manifest import FileEntry, Manifest
 from ckptflow.trainer.nodes import not_recoverable_error, recover, resume_point
@@ -52,8 +53,17 @@ class CheckpointConfig:
     """Hot-tier root folder (local NVMe); the run lives in ``<root>/<run_id>/``."""
     run_id: str
     """Names the run on every tier; [A-Za-z0-9._-]."""
-    interval: int = 100
-    """Save every ``interval`` steps (``save(..., force=True)`` saves regardless)."""
+    interval: int | str = 100
+    """Save every ``interval`` steps (``save(..., force=True)`` saves regardless), or ``"auto"``:
+    the manager picks the interval from the stall, persist time and step time it measures and
+    ``mtbf_hours``, and re-evaluates it at every save (``trainer/interval.py``)."""
+    mtbf_hours: float | None = None
+    """``interval="auto"``: the job's mean time between failures, in hours (required there)."""
+    auto_first_interval: int = 10
+    """``interval="auto"``: steps to the first save, before anything is measured."""
+    auto_min_interval: int = 1
+    auto_max_interval: int = 1_000_000
+    """``interval="auto"``: bounds on the interval it picks, in steps."""
     async_mode: str = "async_staging"
     """``async_staging`` (default, measured best), ``thread``, ``process`` or ``sync``."""
     enabled: bool = True
@@ -85,8 +95,29 @@ class CheckpointConfig:
             raise ConfigError(f"CheckpointConfig.hot_scope={self.hot_scope!r}; choose one of {', '.join(SCOPES)}")
         if not isinstance(self.replicas, int) or isinstance(self.replicas, bool) or self.replicas < 1:
             raise ConfigError(f"CheckpointConfig.replicas={self.replicas!r} must be an integer >= 1 (1: no replicas)")
-        if not isinstance(self.interval, int) or self.interval < 1:
-            raise ConfigError(f"CheckpointConfig.interval={self.interval!r} must be an integer >= 1")
+        if self.interval == "auto":
+            m = self.mtbf_hours
+            if not isinstance(m, (int, float)) or isinstance(m, bool) or not (m > 0 and m < float("inf")):
+                raise ConfigError(
+                    f"CheckpointConfig(interval='auto') needs mtbf_hours, the job's mean time between "
+                    f"failures in hours (> 0); got {m!r}"
+                )
+            for name in ("auto_first_interval", "auto_min_interval", "auto_max_interval"):
+                v = getattr(self, name)
+                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                    raise ConfigError(f"CheckpointConfig.{name}={v!r} must be an integer >= 1")
+            if self.auto_min_interval > self.auto_max_interval:
+                raise ConfigError(
+                    f"CheckpointConfig.auto_min_interval={self.auto_min_interval} > "
+                    f"auto_max_interval={self.auto_max_interval}"
+                )
+        elif not isinstance(self.interval, int) or isinstance(self.interval, bool) or self.interval < 1:
+            raise ConfigError(f"CheckpointConfig.interval={self.interval!r} must be an integer >= 1 or 'auto'")
+        elif self.mtbf_hours is not None:
+            raise ConfigError(
+                f"CheckpointConfig.mtbf_hours={self.mtbf_hours!r} is used only with interval='auto' "
+                f"(interval={self.interval} is fixed); drop it or set interval='auto'"
+            )
         if self.async_mode not in ASYNC_MODES:
             raise ConfigError(f"CheckpointConfig.async_mode={self.async_mode!r}; choose one of {ASYNC_MODES}")
         if self.resume not in ("auto", "never", "required"):
@@ -160,14 +191,21 @@ def _agree(cfg: CheckpointConfig, env: DistEnv) -> None:
     interval or into another run would send the others into mismatched collectives."""
     if env.world_size == 1:
         return
-    mine = (cfg.run_id, cfg.interval, cfg.async_mode, cfg.hot_scope, cfg.replicas)
+    mine = (
+        cfg.run_id,
+        cfg.interval,
+        cfg.async_mode,
+        cfg.hot_scope,
+        cfg.replicas,
+        (cfg.mtbf_hours, cfg.auto_first_interval, cfg.auto_min_interval, cfg.auto_max_interval),
+    )
     every: list[Any] = [None] * env.world_size
     dist.all_gather_object(every, mine, group=env.ckpt_group)
     if any(e != every[0] for e in every):
         diff = {r: e for r, e in enumerate(every) if e != every[0]}
         raise ConfigError(
             f"ranks disagree on the checkpoint settings (run_id, interval, async_mode, hot_scope, "
-            f"replicas): rank 0 has {every[0]}, but {diff}; start every rank with the same"
+            f"replicas, auto-interval settings): rank 0 has {every[0]}, but {diff}; start every rank with the same"
         )
 
 
@@ -201,6 +239,7 @@ class CheckpointManager:
         self._saver: AsyncSaver | None = None
         self._timings: list = []
         self._hook = None
+        self._auto: AutoInterval | None = None
         self.topology: Topology = single(self.env.rank, self.env.world_size)
         if not cfg.enabled:
             return
@@ -227,6 +266,18 @@ class CheckpointManager:
             if self.env.rank == 0:
                 commit.clean_stale_tmp(self.run_path)
             dist.barrier(group=group)
+        if cfg.interval == "auto":
+            assert cfg.mtbf_hours is not None  # __post_init__ checked it
+            self._auto = AutoInterval(
+                mtbf_s=float(cfg.mtbf_hours) * 3600.0,
+                first=cfg.auto_first_interval,
+                min_steps=cfg.auto_min_interval,
+                max_steps=cfg.auto_max_interval,
+                rank=self.env.rank,
+                world=self.env.world_size,
+                group=group,
+                run_path=self.run_path,
+            )
         self._saver = saver = AsyncSaver(
             rank=self.env.rank,
             ckpt_group=group,
@@ -244,17 +295,49 @@ class CheckpointManager:
         """Resume from the newest committed checkpoint that verifies; returns its step (0: fresh)."""
         if not self.cfg.enabled or self.cfg.resume == "never":
             return 0
-        return self._load().step
+        t0 = time.perf_counter()
+        step = self._load().step
+        if self._auto is not None:
+            self._auto.restore_s = time.perf_counter() - t0
+            self._auto.start_at(step)
+        return step
+
+    @property
+    def interval(self) -> int:
+        """The save interval in steps now (with ``interval="auto"``, the latest it chose)."""
+        return self._auto.interval if self._auto is not None else int(self.cfg.interval)
+
+    @property
+    def interval_decisions(self) -> list:
+        """``interval="auto"``: every change it made (``trainer.interval.Decision``), oldest first."""
+        return list(self._auto.decisions) if self._auto is not None else []
 
     def save(self, step: int, metrics: dict[str, float] | None = None, *, force: bool = False) -> bool:
-        """Save the state after ``step`` if the interval (or ``force``) says so. Returns True if started."""
-        if not self.cfg.enabled or (not force and step % self.cfg.interval):
+        """Save the state after ``step`` if the interval (or ``force``) says so. Returns True if started.
+
+        With ``interval="auto"`` call it after every step: the time between calls is how the
+        manager measures the step and the stall."""
+        if not self.cfg.enabled:
             return False
+        auto = self._auto
+        if auto is not None:
+            auto.tick(step)
+            due = auto.due(step)
+        else:
+            due = step % int(self.cfg.interval) == 0
+        if not force and not due:
+            return False
+        if auto is not None:
+            # Every rank is here at this step (same interval, same step): agree on the next one.
+            auto.plan(step, self._timings)
         try:
             self._save(step, dict(metrics or {}))
             return True
         except SaveError as e:
             return self._handle_save_error(e)
+        finally:
+            if auto is not None:
+                auto.saved(step)
 
     def wait(self) -> None:
         """Block until the in-flight save is committed."""

@@ -22,6 +22,7 @@ from ckptflow.cli import (
     cmd_demo,
     cmd_deploy,
     cmd_drill,
+    cmd_goodput,
     cmd_ls,
     cmd_pin,
     cmd_prune,
@@ -54,6 +55,7 @@ cmd_prune.register(app)
 cmd_pin.register(app)
 cmd_drill.register(app)
 cmd_advise.register(app)
+cmd_goodput.register(app)
 cmd_codec.register(app)
 cmd_alerts.register(app)
 cmd_serve.register(app)

@@ -40,7 +40,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ckpt-root", required=True, help="hot-tier root folder")
     p.add_argument("--run-id", required=True)
     p.add_argument("--max-steps", type=int, required=True)
-    p.add_argument("--save-every", type=int, default=100, help="checkpoint interval in steps")
+    p.add_argument(
+        "--save-every",
+        type=_interval,
+        default=100,
+        help="checkpoint interval in steps, or 'auto' (picked from measured costs; needs --mtbf-hours)",
+    )
+    p.add_argument("--mtbf-hours", type=float, default=None, help="with --save-every auto: the job's MTBF")
     p.add_argument("--model", default="small", help="preset: tiny (0.1M), mini (2.2M), small (~14M), medium (~70M)")
     p.add_argument("--dropout", type=float, default=None, help="override the preset's dropout")
     p.add_argument("--global-batch", type=int, default=8)
@@ -64,6 +70,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--replicas", type=int, default=2, help="node-local roots: nodes holding each shard (1: none)")
     return p.parse_args(argv)
+
+
+def _interval(v: str) -> int | str:
+    if v == "auto":
+        return v
+    try:
+        return int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{v!r} is not a number of steps or 'auto'") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             root=args.ckpt_root,
             run_id=args.run_id,
             interval=args.save_every,
+            mtbf_hours=args.mtbf_hours,
             async_mode=args.async_mode,
             enabled=not args.no_save,
             allow_mismatch=args.allow_mismatch,
@@ -163,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
             + json.dumps(
                 {
                     "saves": len(ckpt.save_timings),
+                    "interval": ckpt.interval,
+                    "interval_changes": len(ckpt.interval_decisions),
                     "stall_median_ms": blocked[len(blocked) // 2] * 1e3,
                     "stall_max_ms": blocked[-1] * 1e3,
                     "train_s": train_s,

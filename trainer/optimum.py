@@ -1,0 +1,92 @@
+"""The optimum checkpoint interval and the waste of any interval: pure functions.
+
+The trainer picks its own interval with these (``CheckpointConfig(interval="auto")``) and
+``ckptflow advise`` / ``ckptflow goodput`` print them, so they live here, below both.
+Notation and the models are in ``ckptflow.tasks.advise``'s module doc: ``S`` save cost
+(the stall), ``R`` restart cost, ``M`` MTBF, ``T`` the interval of training time.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ckptflow.trainer.errors import ConfigError
+
+
+def _check(**values: float) -> None:
+    for name, v in values.items():
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+            raise ConfigError(f"{name}={v!r} must be a finite number")
+    for name in ("save_s", "mtbf_s", "interval_s", "step_s"):
+        if name in values and not values[name] > 0:
+            raise ConfigError(f"{name}={values[name]!r} must be > 0")
+    if "restore_s" in values and values["restore_s"] < 0:
+        raise ConfigError(f"restore_s={values['restore_s']!r} must be >= 0")
+
+
+# ---- the intervals -------------------------------------------------------------------
+
+
+def young_interval(save_s: float, mtbf_s: float) -> float:
+    """Young's first-order optimum ``sqrt(2·S·M)`` (minimises :func:`waste_first_order`)."""
+    _check(save_s=save_s, mtbf_s=mtbf_s)
+    return math.sqrt(2.0 * save_s * mtbf_s)
+
+
+def daly_interval(save_s: float, mtbf_s: float) -> float:
+    """Daly's higher-order estimate of the exact optimum (``M`` once ``S >= 2M``)."""
+    _check(save_s=save_s, mtbf_s=mtbf_s)
+    if save_s >= 2.0 * mtbf_s:
+        return mtbf_s
+    x = save_s / (2.0 * mtbf_s)
+    return math.sqrt(2.0 * save_s * mtbf_s) * (1.0 + math.sqrt(x) / 3.0 + x / 9.0) - save_s
+
+
+def exact_interval(save_s: float, mtbf_s: float) -> float:
+    """The interval that maximises :func:`availability` (exact model; see the module doc).
+
+    The root ``u = T/M`` in (0, 1) of ``g(u) = (1 − u)·e^{u + S/M} − 1``, which is
+    strictly decreasing there (``g(0) = e^{S/M} − 1 > 0``, ``g(1) = −1``). ``g`` is
+    evaluated as ``expm1(u + d) − u·e^{u + d}`` to keep precision when ``S ≪ M``.
+    """
+    _check(save_s=save_s, mtbf_s=mtbf_s)
+    d = save_s / mtbf_s
+    lo, hi = 0.0, 1.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        g = math.expm1(mid + d) - mid * math.exp(mid + d)
+        if g > 0:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo <= 1e-15 * hi:
+            break
+    return 0.5 * (lo + hi) * mtbf_s
+
+
+# ---- the waste of a given interval ---------------------------------------------------
+
+
+def waste_first_order(interval_s: float, save_s: float, restore_s: float, mtbf_s: float) -> float:
+    """``S/T + (T/2 + R)/M``: expected fraction of wall time lost (first order; can exceed 1
+    for absurd inputs, where the first-order model no longer holds)."""
+    _check(interval_s=interval_s, save_s=save_s, restore_s=restore_s, mtbf_s=mtbf_s)
+    return save_s / interval_s + (interval_s / 2.0 + restore_s) / mtbf_s
+
+
+def availability(interval_s: float, save_s: float, restore_s: float, mtbf_s: float) -> float:
+    """Expected fraction of wall time spent on new training (exact model, in (0, 1))."""
+    _check(interval_s=interval_s, save_s=save_s, restore_s=restore_s, mtbf_s=mtbf_s)
+    t, s, r, m = interval_s, save_s, restore_s, mtbf_s
+    # log form: no overflow for T+S ≫ M, and expm1 keeps precision for T+S ≪ M
+    log_den = r / m + _log_expm1((t + s) / m) + math.log(m)
+    return math.exp(math.log(t) - log_den)
+
+
+def waste_exact(interval_s: float, save_s: float, restore_s: float, mtbf_s: float) -> float:
+    """``1 − availability``: expected fraction of wall time lost (exact model)."""
+    return 1.0 - availability(interval_s, save_s, restore_s, mtbf_s)
+
+
+def _log_expm1(x: float) -> float:
+    return x + math.log(-math.expm1(-x)) if x > 30 else math.log(math.expm1(x))
