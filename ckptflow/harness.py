@@ -7,8 +7,9 @@ One place for what all of them need, so each starts, waits for and stops things 
 * processes: every child in its own session (``setsid``), stopped by process group and PID —
   a worker started with ``&`` from a non-interactive shell ignored SIGTERM here, and
   torchrun's workers must go with their agent (:class:`Supervisor`, :func:`stop_group`);
-* servers: :class:`MotoServer` (an S3-compatible server over HTTP) and
-  :class:`PrefectServer` (``prefect server start`` with its own ``PREFECT_HOME``, SQLite);
+* servers: :class:`MotoServer` (an S3-compatible server over HTTP),
+  :class:`PostgresServer` (a throwaway PostgreSQL cluster) and :class:`PrefectServer`
+  (``prefect server start`` with its own ``PREFECT_HOME``, on SQLite or on that PostgreSQL);
 * the reference job: :func:`reference_job` (its command line, plain process or torchrun).
 
 Never imported by the library (trainer, tasks, flows); only standard library at import.
@@ -261,10 +262,131 @@ class MotoServer:
         self.stop()
 
 
+PG_BIN_ENV = "CKPTFLOW_PG_BIN"
+
+
+def pg_bindir() -> str:
+    """PostgreSQL's binaries: ``$CKPTFLOW_PG_BIN``, else the newest ``/usr/lib/postgresql/*/bin``,
+    else wherever ``initdb`` is on PATH."""
+    import glob
+    import shutil
+
+    if os.environ.get(PG_BIN_ENV):
+        return os.environ[PG_BIN_ENV]
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=lambda p: int(p.split("/")[4]))
+    if found:
+        return os.path.dirname(found[-1])
+    on_path = shutil.which("initdb")
+    if on_path:
+        return os.path.dirname(on_path)
+    raise HarnessError(
+        f"no PostgreSQL binaries (initdb): install PostgreSQL (e.g. apt install postgresql-15) or set {PG_BIN_ENV}"
+    )
+
+
+class PostgresServer:
+    """A throwaway PostgreSQL cluster on 127.0.0.1 with one database, for a Prefect server.
+
+    PostgreSQL refuses to run as root, so as root the cluster belongs to the ``postgres``
+    user (its data folder is created under the system temp dir, which that user can reach —
+    a pytest ``tmp_path`` under a root-only folder it cannot) and every server binary runs
+    through ``runuser -u postgres``. As any other user it runs as that user. Trust auth on
+    127.0.0.1 only: it is a test and benchmark database, never a production set-up
+    (README, "Deploy for real", shows one).
+    """
+
+    def __init__(self, log_path: str | None = None, *, database: str = "prefect", start_timeout: float = 60.0) -> None:
+        import pwd
+        import tempfile
+
+        self.bindir = pg_bindir()
+        self.port = free_port()
+        self.database = database
+        self.root = os.geteuid() == 0
+        self.datadir = tempfile.mkdtemp(prefix="ckptflow-pg-")
+        self.log_path = log_path or os.path.join(self.datadir + ".log")
+        self._as: list[str] = []
+        if self.root:
+            try:
+                pw = pwd.getpwnam("postgres")
+            except KeyError:
+                raise HarnessError(
+                    "PostgreSQL refuses to run as root and there is no 'postgres' user to run it as: "
+                    "create one (useradd --system --create-home postgres) or run as another user"
+                ) from None
+            os.chown(self.datadir, pw.pw_uid, pw.pw_gid)
+            self._as = ["runuser", "-u", "postgres", "--"]
+        self.url = f"postgresql+asyncpg://postgres@127.0.0.1:{self.port}/{database}"
+        self._started = False
+        try:
+            self._run("initdb", "-D", self.datadir, "-U", "postgres", "-A", "trust", "--no-sync", "-E", "UTF8")
+            self._run(
+                "pg_ctl",
+                "-D",
+                self.datadir,
+                "-l",
+                self._server_log(),
+                "-w",
+                "-t",
+                str(int(start_timeout)),
+                "-o",
+                f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.datadir} -c max_connections=200",
+                "start",
+            )
+            self._started = True
+            self._run("createdb", "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", database)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _server_log(self) -> str:
+        # The server writes its log as its own user: inside its data folder's parent is not
+        # ours to hand out, so it goes next to the data, then is readable by us (root) anyway.
+        return os.path.join(self.datadir, "server.log")
+
+    def _run(self, tool: str, *args: str) -> None:
+        cmd = [*self._as, os.path.join(self.bindir, tool), *args]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        with open(self.log_path, "a", encoding="utf-8") as f:
+            f.write(f"$ {' '.join(cmd)}\n{r.stdout}{r.stderr}")
+        if r.returncode != 0:
+            raise HarnessError(
+                f"PostgreSQL: {tool} failed ({r.returncode}): {(r.stderr or r.stdout).strip()[-800:]}; "
+                f"see {self.log_path} and {self._server_log()}"
+            )
+
+    def query(self, sql: str) -> list[list[str]]:
+        """Rows of ``sql`` on the database (psql, unaligned), for checks."""
+        cmd = [*self._as, os.path.join(self.bindir, "psql"), "-h", "127.0.0.1", "-p", str(self.port)]
+        cmd += ["-U", "postgres", "-d", self.database, "-At", "-F", "\t", "-c", sql]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        if r.returncode != 0:
+            raise HarnessError(f"psql: {r.stderr.strip()[-500:]}")
+        return [line.split("\t") for line in r.stdout.splitlines()]
+
+    def stop(self) -> None:
+        import shutil
+
+        if self._started:
+            try:
+                self._run("pg_ctl", "-D", self.datadir, "-m", "fast", "-w", "stop")
+            except HarnessError:
+                pass
+            self._started = False
+        shutil.rmtree(self.datadir, ignore_errors=True)
+
+    def __enter__(self) -> PostgresServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
 class PrefectServer:
-    """A throwaway Prefect API with its own ``PREFECT_HOME`` (SQLite); ``url`` is what
-    ``PREFECT_API_URL`` should be. ``restart()`` kills it and starts it again on the same
-    port and database, like a server redeploy."""
+    """A throwaway Prefect API with its own ``PREFECT_HOME``; ``url`` is what
+    ``PREFECT_API_URL`` should be. Its database is SQLite in that home, or ``database_url``
+    (a :class:`PostgresServer`'s ``url``). ``restart()`` kills it and starts it again on the
+    same port and database, like a server redeploy."""
 
     def __init__(
         self,
@@ -274,17 +396,26 @@ class PrefectServer:
         *,
         start_timeout: float = 180.0,
         start: bool = True,
+        database_url: str | None = None,
     ) -> None:
         os.makedirs(home, exist_ok=True)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/api"
+        self.database_url = database_url
         self.env = dict(
             child_env(env),
             PREFECT_HOME=home,
             PREFECT_SERVER_ANALYTICS_ENABLED="false",
             PREFECT_UI_ENABLED="false",
             PREFECT_API_URL=self.url,
+            # Concurrency-slot leases in PREFECT_HOME, not in memory: with the default in-memory
+            # store a server restart forgets every lease while the limits keep their slots
+            # counted as taken, and every lifecycle waiting on that machine's limit waits forever
+            # (found by benchmarks/bench_fleet.py's outage round).
+            PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE="prefect.server.concurrency.lease_storage.filesystem",
         )
+        if database_url:
+            self.env["PREFECT_API_DATABASE_CONNECTION_URL"] = database_url
         self.log_path = log_path
         self.start_timeout = start_timeout
         self.restarts = 0

@@ -20,9 +20,10 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from ckptflow.flows.emit import artifact_key, emit
+from ckptflow.flows.limits import machine_slot
 from ckptflow.tasks.checkpoint import CheckpointRef
 from ckptflow.tasks.config import load_config
-from ckptflow.tasks.heartbeat import Heartbeat
+from ckptflow.tasks.heartbeat import Heartbeat, LifecycleBusy
 from ckptflow.tasks.stages import STAGES, Stage, StageRecord, run_stage
 from ckptflow.trainer import events, layout
 from ckptflow.trainer.errors import ConfigError
@@ -93,8 +94,13 @@ def lifecycle(
     else:
         ref = CheckpointRef.of(run_id, step, config=config, root=root, uri=uri)
         table = STAGES
-    with Heartbeat(ref.records_path, ref.step, owner={"flow_run_id": _flow_run_id()}):
-        return _stages(ref, table)
+    try:
+        with Heartbeat(ref.records_path, ref.step, owner={"flow_run_id": _flow_run_id()}):
+            return _stages(ref, table)
+    except LifecycleBusy as e:
+        # The event's run and reconcile's can race for one checkpoint: one does the work.
+        get_run_logger().info("%s step %d: %s", run_id, step, e)
+        return {"run_id": run_id, "step": int(step), "status": "running elsewhere", "owner": e.owner}
 
 
 def _flow_run_id() -> str | None:
@@ -111,7 +117,8 @@ def _stages(ref: CheckpointRef, table: tuple[Stage, ...] = STAGES) -> dict[str, 
     out: dict[str, Any] = {"run_id": ref.run_id, "step": ref.step, "uri": ref.uri}
     rows = []
     for stage in table:
-        rec = run_stage_task(stage, ref)
+        with machine_slot(stage.name):  # this machine's sanity / upload limit (flows/limits.py)
+            rec = run_stage_task(stage, ref)
         out[stage.name] = rec.as_dict() if rec is not None else None
         rows.append(_row(stage, rec))
         if rec is None:

@@ -19,6 +19,7 @@ Runs on an interval. For every run on the hot tier:
 from __future__ import annotations
 
 import enum
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -53,20 +54,44 @@ class Action(enum.Enum):
     LEAVE_RUNNING = "running, and its process is alive"
     TAKE_OVER = "shown running or queued too long, but no process runs it"
     RUN = "never finished and nothing runs it"
+    LEAVE_FRESH = "committed moments ago: its event's run may not exist yet"
 
 
-def decide(runs: list[FlowRun], beat_alive: bool, queued_grace_s: float) -> Action:
+def decide(
+    runs: list[FlowRun],
+    beat_alive: bool,
+    queued_grace_s: float,
+    *,
+    commit_age_s: float = math.inf,
+    fresh_grace_s: float = 0.0,
+) -> Action:
     """What reconcile does with an unfinished step, given its lifecycle runs on the server.
 
     A deployment's run queued for less than ``queued_grace_s`` is its worker's to run. A run
     shown running with a live heartbeat is left alone. Any other run is a dead one (a killed
-    worker, or queued past any worker's delay): take over. No run at all: run it.
+    worker, or queued past any worker's delay): take over. No run at all: run it — unless the
+    step was committed less than ``fresh_grace_s`` ago, when its event's run may simply not
+    have been created yet (the event -> trigger -> run path takes seconds under load); the next
+    reconcile decides. (Were both to start anyway, the heartbeat lock lets only one work.)
     """
     if any(r.state != "RUNNING" and r.age_s < queued_grace_s for r in runs):
         return Action.LEAVE_QUEUED
     if runs and beat_alive:
         return Action.LEAVE_RUNNING
+    if not runs and beat_alive:
+        return Action.LEAVE_RUNNING  # a run the server does not list (a script's) is working on it
+    if not runs and commit_age_s < fresh_grace_s:
+        return Action.LEAVE_FRESH
     return Action.TAKE_OVER if runs else Action.RUN
+
+
+def commit_times(run_path: str) -> dict[int, float]:
+    """``{step: committed_at}`` from the run's outbox (steps without a line are old or foreign)."""
+    return {
+        int(x["step"]): float(x["committed_at"])
+        for x in events.read_outbox(run_path)
+        if isinstance(x.get("step"), int) and isinstance(x.get("committed_at"), (int, float))
+    }
 
 
 def unfinished_steps(run_path: str) -> list[int]:
@@ -176,11 +201,14 @@ def reconcile(
     tmp_older_than_s: float = 3600.0,
     run_lifecycles: bool = True,
     queued_grace_s: float = 600.0,
+    fresh_grace_s: float = 20.0,
 ) -> dict[str, Any]:
     """Process missed commits, move aged checkpoints, clean stale temporary dirs.
 
     ``queued_grace_s``: a lifecycle run queued (scheduled/pending) for less than this is
     left to its worker; older, it is taken over like a run whose process died.
+    ``fresh_grace_s``: a step committed less than this ago with no run yet is left to its
+    event (see :func:`decide`).
     """
     log = get_run_logger()
     base = load_config(config)
@@ -191,12 +219,19 @@ def reconcile(
         run_path = layout.run_dir(cfg.hot.url, run_id)
         todo = unfinished_steps(run_path)
         busy = in_flight_lifecycles(run_id) if todo else {}
+        born = commit_times(run_path) if todo else {}
         done = []
         for s in todo:
             runs = busy.get(s, [])
-            action = decide(runs, heartbeat_alive(read_heartbeat(run_path, s)), queued_grace_s)
+            action = decide(
+                runs,
+                heartbeat_alive(read_heartbeat(run_path, s)),
+                queued_grace_s,
+                commit_age_s=now - born.get(s, -math.inf),
+                fresh_grace_s=fresh_grace_s,
+            )
             log.info("%s step %d: lifecycle %s", run_id, s, action.value)
-            if action in (Action.LEAVE_QUEUED, Action.LEAVE_RUNNING):
+            if action in (Action.LEAVE_QUEUED, Action.LEAVE_RUNNING, Action.LEAVE_FRESH):
                 continue
             for r in runs:  # TAKE_OVER: say so on the server, then do the work here
                 mark_crashed(r.id, "reconcile: no live heartbeat from a process running this lifecycle")
@@ -244,7 +279,7 @@ def _reconcile_nodes(
             runs = busy.get(s, [])
             action = decide(runs, heartbeat_alive(read_heartbeat(records_path, s)), queued_grace_s)
             log.info("%s step %d (node-local): lifecycle %s", run_id, s, action.value)
-            if action in (Action.LEAVE_QUEUED, Action.LEAVE_RUNNING):
+            if action in (Action.LEAVE_QUEUED, Action.LEAVE_RUNNING, Action.LEAVE_FRESH):
                 continue
             for r in runs:
                 mark_crashed(r.id, "reconcile: no live heartbeat from a process running this lifecycle")

@@ -62,7 +62,7 @@ DEPLOYMENTS = (
         "lifecycle",
         "ckptflow.flows.lifecycle:lifecycle",
         "verify -> compress -> promote -> archive -> prune, per committed checkpoint",
-        concurrency_limit=2,  # a burst of commits must not start a burst of sanity steps
+        concurrency_limit=16,  # the fleet's cap; each machine limits its sanity steps and uploads (flows/limits.py)
         trigger={
             "expect": [COMMITTED],
             "match": {"prefect.resource.id": "ckptflow.checkpoint.*"},
@@ -155,12 +155,12 @@ def ensure_pool(pool: str, queue: str | None = None) -> None:
                 pass
 
 
-def deploy(pool: str = "ckptflow-pool", config: str | None = None) -> list[str]:
+def deploy(pool: str = "ckptflow-pool", config: str | None = None, reconcile_every_s: int | None = None) -> list[str]:
     """Register every deployment with the process work pool ``pool`` (creating it if missing):
     what ``prefect deploy --prefect-file deployments/prefect.yaml --all`` does, from the package.
     Returns the deployment ids."""
     ensure_pool(pool)
-    deps, _ = deployments(config, work_pool=pool)
+    deps, _ = deployments(config, reconcile_every_s, work_pool=pool)
     return [str(d.apply()) for d in deps]
 
 

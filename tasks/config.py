@@ -210,6 +210,11 @@ class PrefectConfig:
     flow_concurrency: int = 2
     """Flow runs at once under ``ckptflow serve`` (a work pool's deployments take their own
     ``concurrency_limit`` from ``deployments/prefect.yaml``)."""
+    sanity_per_machine: int = 1
+    """Sanity steps at once on one machine (a global concurrency limit ``ckptflow worker``
+    creates for its machine; ``flows/limits.py``)."""
+    uploads_per_machine: int = 2
+    """Archives (S3 uploads) at once on one machine (likewise)."""
     work_pool: str | None = None
     """Ignored; accepted so older config files still load. The work pool is named where the
     deployments are: ``deployments/prefect.yaml``."""
@@ -221,8 +226,10 @@ class PrefectConfig:
                 "remove the key",
                 self.work_pool,
             )
-        if self.flow_concurrency < 1:
-            raise _fail("prefect.flow_concurrency", self.flow_concurrency, "must be >= 1")
+        for key in ("flow_concurrency", "sanity_per_machine", "uploads_per_machine"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise _fail(f"prefect.{key}", v, "must be an integer >= 1")
 
 
 @dataclass(kw_only=True, slots=True)

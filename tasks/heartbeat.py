@@ -5,6 +5,11 @@ server: nothing is left to report its end. Reconcile must tell that apart from o
 that is working, or it would leave the checkpoint alone forever. The running flow
 keeps ``<hot run>/_lifecycle/step_N/running.json`` fresh; a beat from a process that no
 longer exists on this host, or one older than ``STALE_AFTER_S``, means the run is dead.
+
+The heartbeat is also the lifecycle's lock: it is created with a hard link (which fails if
+the file exists), so of two lifecycles of one checkpoint — the event's run and reconcile's,
+racing — exactly one runs the stages and the other sees a live beat and stands down
+(:class:`LifecycleBusy`). A dead beat is moved aside (one mover wins the rename) and taken.
 """
 
 from __future__ import annotations
@@ -47,8 +52,17 @@ def heartbeat_alive(
     return (now or time.time()) - float(beat.get("updated_at", 0)) < stale_after_s
 
 
+class LifecycleBusy(RuntimeError):
+    """Another live lifecycle holds this checkpoint's heartbeat."""
+
+    def __init__(self, path: str, owner: dict[str, Any] | None) -> None:
+        super().__init__(f"{path}: another lifecycle is running this checkpoint ({owner}); standing down")
+        self.owner = owner or {}
+
+
 class Heartbeat:
-    """Context manager: beat every ``BEAT_EVERY_S`` from a daemon thread, clear on exit."""
+    """Context manager: take the checkpoint's heartbeat (or raise :class:`LifecycleBusy`), beat
+    every ``BEAT_EVERY_S`` from a daemon thread, clear on exit."""
 
     def __init__(self, run_path: str, step: int, owner: dict[str, Any]) -> None:
         self.run_path, self.step = run_path, step
@@ -66,8 +80,39 @@ class Heartbeat:
         while not self._stop.wait(BEAT_EVERY_S):
             self._beat()
 
+    def _acquire(self) -> None:
+        import json
+        import uuid
+
+        from ckptflow.trainer.fsutil import write_durable
+
+        path = os.path.join(layout.lifecycle_dir(self.run_path, self.step), HEARTBEAT)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        for _ in range(3):
+            tmp = f"{path}.{uuid.uuid4().hex}.part"
+            write_durable(tmp, (json.dumps(dict(self.body, updated_at=time.time())) + "\n").encode())
+            try:
+                os.link(tmp, path)
+                return
+            except FileExistsError:
+                beat = read_heartbeat(self.run_path, self.step)
+                if heartbeat_alive(beat):
+                    raise LifecycleBusy(path, beat) from None
+                try:  # dead: move it aside; of several takers one rename succeeds
+                    aside = f"{path}.stale.{uuid.uuid4().hex}"
+                    os.rename(path, aside)
+                    os.unlink(aside)
+                except FileNotFoundError:
+                    pass
+            finally:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+        raise LifecycleBusy(path, read_heartbeat(self.run_path, self.step))
+
     def __enter__(self) -> Heartbeat:
-        self._beat()
+        self._acquire()
         self._thread.start()
         return self
 

@@ -57,6 +57,41 @@ def write_record(run_path: str, step: int, stage: str, data: dict[str, Any]) -> 
         os.unlink(tmp)
 
 
+EXECUTIONS = "executions.jsonl"
+
+
+def log_execution(run_path: str, step: int, stage: str, ok: bool) -> None:
+    """One line per stage that actually ran (not skipped by its record): the audit that shows a
+    checkpoint was never processed twice (``benchmarks/bench_fleet.py`` counts them)."""
+    import socket
+
+    path = os.path.join(layout.lifecycle_dir(run_path, step), EXECUTIONS)
+    line = json.dumps({"stage": stage, "ok": ok, "host": socket.gethostname(), "pid": os.getpid(), "at": time.time()})
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, (line + "\n").encode())  # one short write with O_APPEND: lines never interleave
+        finally:
+            os.close(fd)
+    except OSError:
+        pass  # an audit line is not worth failing a stage for
+
+
+def read_executions(run_path: str, step: int) -> list[dict[str, Any]]:
+    out = []
+    try:
+        with open(os.path.join(layout.lifecycle_dir(run_path, step), EXECUTIONS), encoding="utf-8") as f:
+            for line in f:
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+    except FileNotFoundError:
+        pass
+    return out
+
+
 def write_side_file(run_path: str, step: int, name: str, data: Any) -> str:
     """A companion file next to the records (stats, expectation results); replaced freely."""
     path = os.path.join(layout.lifecycle_dir(run_path, step), name)

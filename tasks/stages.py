@@ -99,6 +99,7 @@ def run_stage(stage: Stage, ref: CheckpointRef) -> StageRecord | None:
         if rec is not None:
             return StageRecord(stage.name, name, ref.run_id, ref.step, name != records.QUARANTINED, True, rec)
     done = stage.act(ref)
+    records.log_execution(ref.records_path, ref.step, stage.name, done.ok)
     faults.maybe_crash(f"{stage.name}.before_record", ref.step)
     name = stage.record if done.ok else records.QUARANTINED
     body = records.write_record(ref.records_path, ref.step, name, done.body)

@@ -85,11 +85,40 @@ def test_the_hot_root_comes_from_the_event():
         ([FlowRun("a", "RUNNING", 5.0)], False, Action.TAKE_OVER),  # its process died
         ([FlowRun("a", "RUNNING", 900.0), FlowRun("b", "SCHEDULED", 1.0)], False, Action.LEAVE_QUEUED),
         ([FlowRun("a", "RUNNING", 900.0), FlowRun("b", "RUNNING", 1.0)], False, Action.TAKE_OVER),
+        ([], True, Action.LEAVE_RUNNING),  # a lifecycle the server does not list holds the heartbeat
     ],
 )
 def test_what_reconcile_does_with_an_unfinished_step(runs, beat, want):
     """A queued run is its worker's; a live one is left alone; a dead one is taken over."""
     assert decide(runs, beat, queued_grace_s=600.0) is want
+
+
+def test_a_commit_of_moments_ago_is_left_to_its_event():
+    assert decide([], False, 600.0, commit_age_s=3.0, fresh_grace_s=20.0) is Action.LEAVE_FRESH
+    assert decide([], False, 600.0, commit_age_s=30.0, fresh_grace_s=20.0) is Action.RUN
+
+
+def test_of_two_lifecycles_of_one_checkpoint_only_one_holds_it(tmp_path):
+    import os
+
+    from ckptflow.tasks.heartbeat import HEARTBEAT, Heartbeat, LifecycleBusy
+    from ckptflow.trainer import layout
+
+    with Heartbeat(str(tmp_path), 4, owner={"flow_run_id": "a"}):
+        with pytest.raises(LifecycleBusy, match="another lifecycle is running"):
+            with Heartbeat(str(tmp_path), 4, owner={"flow_run_id": "b"}):
+                pass
+    path = os.path.join(layout.lifecycle_dir(str(tmp_path), 4), HEARTBEAT)
+    assert not os.path.exists(path)  # released
+    # a dead holder's beat (a pid that is not running) is taken over
+    import json
+    import socket
+
+    with open(path, "w") as f:
+        json.dump({"host": socket.gethostname(), "pid": 999999999, "proc_start": "1", "updated_at": 0}, f)
+    with Heartbeat(str(tmp_path), 4, owner={"flow_run_id": "c"}):
+        with open(path) as f:
+            assert json.load(f)["flow_run_id"] == "c"
 
 
 @pytest.mark.slow

@@ -43,7 +43,15 @@ def worker(
         from ckptflow.flows.serve import ensure_pool
 
         ensure_pool(pool, queue)
-    typer.echo(f"ckptflow: worker for queue {queue} of pool {pool} (hot root {cfg.hot.url})", err=True)
+    from ckptflow.flows.limits import ensure_machine_limits, host
+
+    limits = ensure_machine_limits(cfg.prefect.sanity_per_machine, cfg.prefect.uploads_per_machine)
+    typer.echo(
+        f"ckptflow: worker for queue {queue} of pool {pool} (hot root {cfg.hot.url}); machine {host()}: "
+        + ", ".join(f"{k} <= {v}" for k, v in limits.items())
+        + f"; at most {cfg.prefect.flow_concurrency} flow runs at once",
+        err=True,
+    )
     env = dict(os.environ)
     if config is not None:
         env["CKPTFLOW_CONFIG"] = str(Path(config).resolve())
@@ -61,6 +69,8 @@ def worker(
             queue,
             "--type",
             "process",
+            "--limit",
+            str(cfg.prefect.flow_concurrency),
         ],
         env,
     )

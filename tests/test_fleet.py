@@ -1,0 +1,156 @@
+"""The lifecycle with Prefect on PostgreSQL (what Prefect advises for production): a real
+PostgreSQL 15 cluster (as the ``postgres`` user when we are root), a Prefect server on it, the
+deployments served, several training runs committing at once. Every commit ends verified,
+none is processed twice; a server outage is caught up by reconcile."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+
+from ckptflow.harness import PostgresServer, PrefectServer, child_env
+from ckptflow.trainer import layout
+from tests.helpers import PY, REPO, make_run, write_config
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def prefect_pg(tmp_path_factory):
+    """A Prefect server whose database is a real PostgreSQL server; yields its API URL."""
+    d = tmp_path_factory.mktemp("pg")
+    with PostgresServer(str(d / "pg.log")) as pg:
+        with PrefectServer(str(d / "prefect"), str(d / "prefect.log"), database_url=pg.url) as srv:
+            srv.pg = pg  # type: ignore[attr-defined]
+            yield srv
+
+
+def _lifecycle_runs(api: str, prefix: str) -> list:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as c:
+        return c.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=prefix)), limit=200)
+
+
+def test_prefect_on_postgres_really_uses_postgres(prefect_pg):
+    # The server's schema is in PostgreSQL (its settings API redacts the URL, so ask the database).
+    tables = {r[0] for r in prefect_pg.pg.query("select table_name from information_schema.tables")}
+    assert {"flow_run", "deployment", "automation"} <= tables
+
+
+def test_three_runs_at_once_every_commit_verified_once_on_postgres(prefect_pg, s3_endpoint, s3_bucket, tmp_path):
+    hot = tmp_path / "hot"
+    cfg = write_config(tmp_path, hot, s3_endpoint, s3_bucket)
+    env = dict(child_env(), PREFECT_API_URL=prefect_pg.url, PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    log = open(tmp_path / "serve.log", "w")
+    srv = subprocess.Popen(
+        [PY, "-m", "ckptflow.flows.serve", "--config", cfg, "--reconcile-every", "3600", "--limit", "2"],
+        cwd=REPO,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    runs = ("pg-a", "pg-b", "pg-c")
+    try:
+        time.sleep(8)  # the runner registers its deployments and triggers
+        jobs = [
+            subprocess.Popen(
+                [
+                    PY,
+                    "-m",
+                    "ckptflow.trainer.train",
+                    "--parallel",
+                    "none",
+                    "--ckpt-root",
+                    str(hot),
+                    "--run-id",
+                    r,
+                    "--model",
+                    "tiny",
+                    "--max-steps",
+                    "4",
+                    "--save-every",
+                    "2",
+                ],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
+            for r in runs
+        ]
+        for j in jobs:
+            assert j.wait(300) == 0, j.stderr.read()[-3000:] if j.stderr else ""
+        deadline = time.monotonic() + 600
+        done: dict[str, list] = {}
+        while time.monotonic() < deadline:
+            done = {r: _lifecycle_runs(prefect_pg.url, f"lifecycle-{r}-step") for r in runs}
+            final = [x for rs in done.values() for x in rs if x.state_type.value in ("COMPLETED", "FAILED", "CRASHED")]
+            if len(final) >= 2 * len(runs):
+                break
+            time.sleep(3)
+    finally:
+        srv.terminate()
+        srv.wait(30)
+    for r in runs:
+        names = sorted(x.name for x in done[r])
+        assert names == [f"lifecycle-{r}-step2", f"lifecycle-{r}-step4"], (
+            names,
+            (tmp_path / "serve.log").read_text()[-3000:],
+        )
+        assert {x.state_type.value for x in done[r]} == {"COMPLETED"}
+        for s in (2, 4):
+            assert (hot / r / "_lifecycle" / layout.step_name(s) / "verified.json").exists()
+    # the runs are rows of PostgreSQL's flow_run table
+    rows = prefect_pg.pg.query("select name from flow_run where name like 'lifecycle-pg-%'")
+    assert sorted(r[0] for r in rows) == sorted(f"lifecycle-{r}-step{s}" for r in runs for s in (2, 4))
+
+
+def test_reconcile_catches_up_commits_made_while_the_server_was_down(prefect_pg, s3_endpoint, s3_bucket, tmp_path):
+    """Commits while the server is down leave their events in the outbox; after it is back, one
+    reconcile run starts every missed lifecycle and each ends verified."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from ckptflow.flows.reconcile import reconcile
+
+    hot = tmp_path / "hot"
+    cfg = write_config(tmp_path, hot, s3_endpoint, s3_bucket, hot_keep=5, warm_keep=5, cold_keep=5, sanity=False)
+    prefect_pg.kill()
+    try:
+        make_run(hot, "pg-down", max_steps=4, save_every=2, env={"PREFECT_API_URL": prefect_pg.url})
+    finally:
+        prefect_pg.start()
+    with temporary_settings({PREFECT_API_URL: prefect_pg.url}):
+        out = reconcile(config=cfg)
+        again = reconcile(config=cfg)
+    assert out["runs"]["pg-down"]["unfinished"] == [2, 4]
+    assert [x["status"] for x in out["runs"]["pg-down"]["processed"]] == ["done", "done"]
+    for s in (2, 4):
+        assert (hot / "pg-down" / "_lifecycle" / layout.step_name(s) / "verified.json").exists()
+    assert again["runs"]["pg-down"]["processed"] == []  # nothing twice
+
+
+def test_each_machine_gets_its_own_sanity_and_upload_limit(prefect_pg, monkeypatch):
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from ckptflow.flows.limits import ensure_machine_limits, machine_slot
+
+    monkeypatch.setenv("PREFECT_API_URL", prefect_pg.url)
+    monkeypatch.setenv("CKPTFLOW_HOST", "m1")
+    with temporary_settings({PREFECT_API_URL: prefect_pg.url}):
+        assert ensure_machine_limits(1, 2) == {"ckptflow-sanity-m1": 1, "ckptflow-upload-m1": 2}
+        assert ensure_machine_limits(3, 2)["ckptflow-sanity-m1"] == 3  # a restart with a new config updates it
+        with get_client(sync_client=True) as c:
+            with machine_slot("verify"):  # the verify stage holds one slot of this machine's limit
+                held = c.read_global_concurrency_limit_by_name("ckptflow-sanity-m1").active_slots
+            after = c.read_global_concurrency_limit_by_name("ckptflow-sanity-m1").active_slots
+            assert c.read_global_concurrency_limit_by_name("ckptflow-upload-m1").limit == 2
+        assert (held, after) == (1, 0)
+        with machine_slot("compress"):  # no limit for the other stages
+            pass
