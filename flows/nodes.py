@@ -23,6 +23,7 @@ warm, cold and the API) fans the per-node part out:
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict
 from typing import Any
@@ -162,6 +163,8 @@ def unfinished_node_steps(cfg: Any) -> dict[str, list[tuple[int, list[str]]]]:
     out: dict[str, list[tuple[int, list[str]]]] = {}
     for run_id in warm.list_runs():
         run_path = layout.run_dir(warm.url, run_id)
+        if not os.path.isdir(run_path):
+            continue  # a stray file where a run would be: nothing of ours to finish
         for s in records.steps_with_records(run_path):
             if finished(run_path, s):
                 continue

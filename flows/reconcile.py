@@ -201,14 +201,16 @@ def reconcile(
     tmp_older_than_s: float = 3600.0,
     run_lifecycles: bool = True,
     queued_grace_s: float = 600.0,
-    fresh_grace_s: float = 20.0,
+    fresh_grace_s: float = 0.0,
 ) -> dict[str, Any]:
     """Process missed commits, move aged checkpoints, clean stale temporary dirs.
 
     ``queued_grace_s``: a lifecycle run queued (scheduled/pending) for less than this is
     left to its worker; older, it is taken over like a run whose process died.
     ``fresh_grace_s``: a step committed less than this ago with no run yet is left to its
-    event (see :func:`decide`).
+    event (see :func:`decide`). Off by default: right after an outage every commit without a
+    run is a missed one, and the heartbeat lock already lets only one lifecycle work on a
+    checkpoint; a grace only saves the redundant start when reconcile races a live event.
     """
     log = get_run_logger()
     base = load_config(config)
@@ -255,7 +257,11 @@ def reconcile(
             len(cleaned),
         )
     if cfg.warm is not None:
-        out["nodes"] = _reconcile_nodes(cfg, config, queued_grace_s, run_lifecycles)
+        try:
+            out["nodes"] = _reconcile_nodes(cfg, config, queued_grace_s, run_lifecycles)
+        except Exception as e:  # the node-local pass must not cost the hot runs' results above
+            log.error("node-local checkpoints: %s: %s; the next reconcile retries", type(e).__name__, e)
+            out["nodes"] = {"error": f"{type(e).__name__}: {e}"}
     return out
 
 

@@ -121,6 +121,6 @@ def status(run_path: str, step: int, names: tuple[str, ...]) -> dict[str, dict[s
 def steps_with_records(run_path: str) -> list[int]:
     try:
         names = os.listdir(os.path.join(run_path, layout.LIFECYCLE_DIR))
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no records yet, or a "run" that is a stray file
         return []
     return sorted(s for n in names if (s := layout.parse_step(n)) is not None)
