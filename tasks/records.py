@@ -79,17 +79,9 @@ def log_execution(run_path: str, step: int, stage: str, ok: bool) -> None:
 
 
 def read_executions(run_path: str, step: int) -> list[dict[str, Any]]:
-    out = []
-    try:
-        with open(os.path.join(layout.lifecycle_dir(run_path, step), EXECUTIONS), encoding="utf-8") as f:
-            for line in f:
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
-    except FileNotFoundError:
-        pass
-    return out
+    from ckptflow.trainer.events import read_jsonl
+
+    return read_jsonl(os.path.join(layout.lifecycle_dir(run_path, step), EXECUTIONS))
 
 
 def write_side_file(run_path: str, step: int, name: str, data: Any) -> str:

@@ -74,11 +74,11 @@ def append_outbox(run_path: str, record: dict) -> None:
     append_durable(os.path.join(run_path, layout.OUTBOX), json.dumps(record, sort_keys=True))
 
 
-def read_outbox(run_path: str) -> list[dict]:
-    """Every complete outbox line (a torn last line from a crash is skipped)."""
+def read_jsonl(path: str) -> list[dict]:
+    """Every complete line of a JSON-lines file ([] without one; a line torn by a crash is skipped)."""
     out = []
     try:
-        with open(os.path.join(run_path, layout.OUTBOX), encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             for line in f:
                 try:
                     out.append(json.loads(line))
@@ -87,6 +87,11 @@ def read_outbox(run_path: str) -> list[dict]:
     except FileNotFoundError:
         pass
     return out
+
+
+def read_outbox(run_path: str) -> list[dict]:
+    """Every complete outbox line (a torn last line from a crash is skipped)."""
+    return read_jsonl(os.path.join(run_path, layout.OUTBOX))
 
 
 def post_events(api_url: str, events: list[dict], *, timeout_s: float, api_key: str | None = None) -> None:
