@@ -20,7 +20,7 @@ demo: setup
 	$(BIN)/ckptflow demo
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=30
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"

@@ -47,7 +47,7 @@ def test_slow_write_still_saves_the_state_of_its_step(tmp_path):
 
 SCRIPT = textwrap.dedent("""
     import os, torch, torch.distributed.checkpoint as dcp
-    from ckptflow.trainer.distenv import init_distributed
+    from ckptflow.trainer.distenv import init_distributed, shutdown
     from ckptflow.trainer.saver import AsyncSaver, SaveRequest
     from ckptflow.trainer.manifest import Manifest
     env = init_distributed()
@@ -64,6 +64,11 @@ SCRIPT = textwrap.dedent("""
     dcp.load(out, checkpoint_id=os.path.join(root, "step_000000001"), process_group=env.ckpt_group)
     assert torch.equal(out["w"], torch.arange(1 << 16, dtype=torch.float32)), "saved a later state"
     print("blocked_ms", t.blocked_s * 1e3)
+    # What the trainer does at the end: without it the interpreter tore the gloo groups
+    # down under DCP's executor thread at exit, and the process aborted (SIGABRT,
+    # "terminate called without an active exception") after every check had passed.
+    saver.close()
+    shutdown(env)
 """)
 
 
