@@ -40,7 +40,6 @@ costs a noticeable share of the MTBF.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 from collections.abc import Iterable, Sequence
@@ -48,6 +47,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ckptflow.trainer.errors import ConfigError
+from ckptflow.trainer.events import read_jsonl
 from ckptflow.trainer.optimum import (  # noqa: F401  (re-exported: the public names of this module)
     _check,
     availability,
@@ -210,7 +210,7 @@ def measure_run(run_dir: str, history_dir: str | None = None) -> RunMeasurement:
         raise FileNotFoundError(2, "no such run directory", run_dir)
     out = RunMeasurement(run_dir=run_dir)
     rows = read_metrics(run_dir)
-    outbox = _jsonl(os.path.join(run_dir, layout.OUTBOX))
+    outbox = read_jsonl(os.path.join(run_dir, layout.OUTBOX))
     committed = {s for n in os.listdir(run_dir) if (s := layout.parse_step(n)) is not None}
     saves = committed | {int(o["step"]) for o in outbox if isinstance(o.get("step"), int)}
     out.saves = len(saves)
@@ -244,7 +244,7 @@ def measure_run(run_dir: str, history_dir: str | None = None) -> RunMeasurement:
         out.commit_s = max(0.0, statistics.median(lat))
     hdir = history_dir or os.path.join(os.path.dirname(os.path.dirname(run_dir)), "drills")
     hist = os.path.join(hdir, f"{os.path.basename(run_dir)}.jsonl")
-    drills = [d for d in _jsonl(hist) if d.get("ok") and isinstance(d.get("recovery_seconds"), (int, float))]
+    drills = [d for d in read_jsonl(hist) if d.get("ok") and isinstance(d.get("recovery_seconds"), (int, float))]
     if drills:
         out.restore_s = statistics.median(float(d["recovery_seconds"]) for d in drills)
         out.drills, out.history = len(drills), hist
@@ -269,22 +269,4 @@ def step_deltas(rows: Iterable[dict[str, Any]]) -> dict[int, float]:
         ):
             out[r["step"]] = float(r["t"]) - float(prev["t"])
         prev = r if ok else None
-    return out
-
-
-def _jsonl(path: str) -> list[dict[str, Any]]:
-    """Lines that parse as JSON objects; a torn last line (a crash mid-write) is skipped."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.readlines()
-    except FileNotFoundError:
-        return []
-    out = []
-    for line in lines:
-        try:
-            d = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(d, dict):
-            out.append(d)
     return out

@@ -34,6 +34,7 @@ from ckptflow.trainer.interval import AutoInterval
 from ckptflow.trainer.loader import Reshard, files_read, load_target, load_verified
 from ckptflow.trainer.manifest import FileEntry, Manifest
 from ckptflow.trainer.nodes import not_recoverable_error, recover, resume_point
+from ckptflow.trainer.probe import ProbeMismatch
 from ckptflow.trainer.resume import check_provenance, find_resume_point, no_checkpoint_error
 from ckptflow.trainer.saver import ASYNC_MODES, AsyncSaver, SaveRequest
 from ckptflow.trainer.state import LAYOUT, build_save_state, rank_state, shared_state
@@ -153,6 +154,14 @@ class SanitySpec:
     """A small fixed batch, stored in the manifest."""
     probe_fn: Callable[[], float]
     """Computes the probe loss now (all ranks call it; eval mode, no grad)."""
+    background: bool = True
+    """Compute the recorded probe loss off the training thread, from the staged copy, with a
+    shadow model from ``builder`` (``trainer/probe.py``; rank 0 holds one full copy of the model
+    for it). False: ``probe_fn`` on the training thread at every save. Sync saves always use
+    ``probe_fn``."""
+    live_check_every: int = 0
+    """Background probe: the first save of each attempt also runs ``probe_fn`` and fails unless
+    the two agree bitwise; N >= 1 checks every Nth save too."""
 
 
 def code_version() -> str:
@@ -240,6 +249,9 @@ class CheckpointManager:
         self._timings: list = []
         self._hook = None
         self._auto: AutoInterval | None = None
+        self._probe: Any = None  # trainer.probe.BackgroundProbe once the first save agreed on it
+        self._probe_decided = False
+        self._n_saves = 0  # saves started by this manager (this attempt)
         self.topology: Topology = single(self.env.rank, self.env.world_size)
         if not cfg.enabled:
             return
@@ -327,6 +339,11 @@ class CheckpointManager:
             due = step % int(self.cfg.interval) == 0
         if not force and not due:
             return False
+        # The previous save first (submit would wait for it anyway): its commit thread runs
+        # collectives on the checkpoint group, and so do the interval agreement and the probe
+        # agreement below — one thread at a time on that group. A failed previous save is
+        # reported here and this one still starts.
+        self.wait()
         if auto is not None:
             # Every rank is here at this step (same interval, same step): agree on the next one.
             auto.plan(step, self._timings)
@@ -369,6 +386,11 @@ class CheckpointManager:
 
     # -- implementation -------------------------------------------------------------------
     def _handle_save_error(self, e: SaveError) -> bool:
+        if self._probe is not None and ProbeMismatch.__name__ in str(e):
+            # Every rank got the same error (rank 0's outcome is broadcast): all stop trusting
+            # the staged copy's probe together, and record the live model's from now on.
+            log.error("background probe disagreed with the live model: probing on the training thread from now on")
+            self._probe = None
         if self.cfg.on_save_error == "raise":
             raise e
         # Training goes on; the previous committed checkpoint stays the resume point.
@@ -376,10 +398,6 @@ class CheckpointManager:
         return False
 
     def _save(self, step: int, metrics: dict[str, float]) -> None:
-        probe_loss = self.sanity.probe_fn() if self.sanity is not None else None
-        # The LR a resumed run will use first; the sanity step checks the restored
-        # scheduler reproduces it.
-        next_lr = float(self.scheduler.get_last_lr()[0]) if self.scheduler is not None else None
         state = build_save_state(
             model=self.model,
             optimizer=self.optimizer,
@@ -387,24 +405,111 @@ class CheckpointManager:
             train=shared_state(step, scheduler=self.scheduler, scaler=self.scaler),
             per_rank=rank_state(sampler=self.sampler, extra=self.extra),
         )
+        if self.sanity is not None and not self._probe_decided:
+            self._probe = self._agree_on_probe(state["model"])
+            self._probe_decided = True
+        self._n_saves += 1
+        probe = self._probe
+        live: float | None = None
+        if self.sanity is not None and (probe is None or self._live_check_due()):
+            live = self.sanity.probe_fn()
+        # The LR a resumed run will use first; the sanity step checks the restored
+        # scheduler reproduces it.
+        next_lr = float(self.scheduler.get_last_lr()[0]) if self.scheduler is not None else None
+        staged_loss: dict[str, Any] = {}
+
+        def after_upload(staged: dict[str, Any] | None) -> None:
+            try:
+                staged_loss["loss"] = probe.loss(staged["model"] if staged is not None else None)
+            except Exception as e:  # reported by build_manifest on rank 0: the save fails everywhere
+                staged_loss["error"] = e
+
+        def build(files: dict[str, FileEntry]) -> Manifest:
+            loss, source = self._recorded_probe(step, live, staged_loss)
+            return self._manifest(step, files, metrics, loss, next_lr, probe_source=source)
+
         req = SaveRequest(
             step=step,
             run_path=self.run_path,
-            build_manifest=lambda files: self._manifest(step, files, metrics, probe_loss, next_lr),
+            build_manifest=build,
             on_committed=self._on_committed,
+            after_upload=after_upload if probe is not None else None,
         )
         assert self._saver is not None  # save() gets here only when cfg.enabled, and then __init__ made the saver
         self._timings.append(self._saver.submit(state, req))
 
+    def _live_check_due(self) -> bool:
+        n = self.sanity.live_check_every if self.sanity is not None else 0
+        return self._n_saves == 1 or (n >= 1 and self._n_saves % n == 0)
+
+    def _agree_on_probe(self, model_sd: dict[str, Any]) -> Any:
+        """Whether the probe runs in the background (every rank the same answer), and its shadow."""
+        from ckptflow.trainer import probe
+
+        assert self.sanity is not None
+        why = "SanitySpec.background=False"
+        if self.sanity.background:
+            why = "sync saves" if self.cfg.async_mode == "sync" else (probe.supported(model_sd) or "")
+        every: list[Any] = [why]
+        if self.env.world_size > 1:
+            every = [None] * self.env.world_size
+            dist.all_gather_object(every, why, group=self.env.ckpt_group)
+        reasons = sorted({w for w in every if w})
+        if reasons:
+            if self.sanity.background and self.env.rank == 0:
+                log.info("sanity probe on the training thread: %s", "; ".join(reasons))
+            return None
+        sharded = any(probe.is_sharded(t) for t in model_sd.values())
+        return probe.BackgroundProbe(
+            probe.import_builder(self.sanity.builder),
+            self.sanity.config,
+            self.sanity.probe_tokens,
+            rank=self.env.rank,
+            world=self.env.world_size,
+            group=self.env.ckpt_group,
+            gather=bool(sharded),
+        )
+
+    @staticmethod
+    def _recorded_probe(step: int, live: float | None, staged: dict[str, Any]) -> tuple[float | None, str]:
+        """Rank 0, building the manifest: the probe loss to record and where it came from, or
+        why the save must fail."""
+        if "error" in staged:
+            raise RuntimeError(f"background probe of step {step} failed: {staged['error']!r}")
+        if "loss" not in staged:
+            return live, "live_model"
+        loss = staged["loss"]
+        if live is not None and loss != live:
+            raise ProbeMismatch(
+                f"step {step}: the staged copy's probe loss {loss!r} is not the live model's {live!r} "
+                "(the snapshot is not the state of this step, or the shadow model differs from the "
+                "trained one); the save is refused and later saves probe the live model"
+            )
+        return loss, ("staged_copy+live_check" if live is not None else "staged_copy")
+
     def _manifest(
-        self, step: int, files: dict[str, FileEntry], metrics: dict, probe_loss, next_lr: float | None
+        self,
+        step: int,
+        files: dict[str, FileEntry],
+        metrics: dict,
+        probe_loss,
+        next_lr: float | None,
+        *,
+        probe_source: str = "live_model",
     ) -> Manifest:
         sanity: dict[str, Any] = {}
         if self.sanity is not None:
             sanity = {
                 "builder": self.sanity.builder,
                 "config": self.sanity.config,
-                "probe": {"tokens": self.sanity.probe_tokens, "loss": probe_loss, "loss_hex": float(probe_loss).hex()},
+                "probe": {
+                    "tokens": self.sanity.probe_tokens,
+                    "loss": probe_loss,
+                    "loss_hex": float(probe_loss).hex(),
+                    # live_model: probe_fn on the training thread; staged_copy: the background
+                    # probe (trainer/probe.py); +live_check: both ran and agreed bitwise.
+                    "source": probe_source,
+                },
                 "next_lr": next_lr,
                 "torch_threads": torch.get_num_threads(),
             }

@@ -75,15 +75,18 @@ def append_outbox(run_path: str, record: dict) -> None:
 
 
 def read_jsonl(path: str) -> list[dict]:
-    """Every complete line of a JSON-lines file ([] without one; a line torn by a crash is skipped)."""
+    """Every complete record of a JSON-lines file ([] without one; a line torn by a crash, or one
+    that is not a JSON object, is skipped)."""
     out = []
     try:
         with open(path, encoding="utf-8") as f:
             for line in f:
                 try:
-                    out.append(json.loads(line))
+                    d = json.loads(line)
                 except json.JSONDecodeError:
                     continue
+                if isinstance(d, dict):
+                    out.append(d)
     except FileNotFoundError:
         pass
     return out

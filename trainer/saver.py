@@ -121,6 +121,16 @@ def disk_full_hint(run_path: str, need: int) -> str:
     )
 
 
+class _RecordingStager(DefaultStager):
+    """DCP's stager, remembering what it staged: the background probe runs on that copy."""
+
+    last: Any = None
+
+    def stage(self, state_dict, **kw):  # noqa: ANN001, ANN201 - DCP's signature
+        self.last = out = super().stage(state_dict, **kw)
+        return out
+
+
 @dataclass
 class SaveRequest:
     step: int
@@ -129,6 +139,11 @@ class SaveRequest:
     """Called on rank 0 with every rank's file entries; returns the manifest to commit."""
     on_committed: Callable[[Manifest, str], None] | None = None
     """Called on rank 0 after the commit (outbox + event), still in the background."""
+    after_upload: Callable[[dict[str, Any] | None], None] | None = None
+    """Called on *every* rank in the commit thread once DCP has written the files and before
+    the manifest is built, with the staged copy of the state (None in sync mode). It may run
+    collectives on the checkpoint group (every rank calls it at the same point); it must not
+    raise (record a failure for ``build_manifest`` to report: then the save fails on every rank)."""
 
 
 @dataclass
@@ -169,7 +184,7 @@ class AsyncSaver:
         self.writer_threads = writer_threads
         # Reused across saves: its CPU buffers are allocated once, then copied into.
         self._stager = (
-            DefaultStager(
+            _RecordingStager(
                 StagingOptions(
                     use_pinned_memory=False,
                     use_shared_memory=(mode == "process"),
@@ -222,10 +237,11 @@ class AsyncSaver:
                 timing.staged_s = time.perf_counter() - t0
             timing.blocked_s = time.perf_counter() - t0
             faults.maybe_crash("staging", req.step)  # the staged copy is being made in the background
+        staged = self._stager.last if self._stager is not None else None
         self._done = Future()
         threading.Thread(
             target=self._commit,
-            args=(upload, writer, req, timing, t0, self._done),
+            args=(upload, writer, req, timing, t0, self._done, staged),
             name=f"ckptflow-commit-{req.step}",
             daemon=True,
         ).start()
@@ -256,10 +272,17 @@ class AsyncSaver:
 
     # -- background ------------------------------------------------------------------
     def _commit(
-        self, upload: Future, writer: _FaultingWriter, req: SaveRequest, timing: SaveTiming, t0: float, done: Future
+        self,
+        upload: Future,
+        writer: _FaultingWriter,
+        req: SaveRequest,
+        timing: SaveTiming,
+        t0: float,
+        done: Future,
+        staged: Any = None,
     ) -> None:
         try:
-            gathered = self._gather_entries(upload, writer, req, timing, t0)
+            gathered = self._gather_entries(upload, writer, req, timing, t0, staged)
             if self.topology.scope == "node":
                 self._commit_nodes(gathered, req, timing)
             else:
@@ -283,7 +306,7 @@ class AsyncSaver:
         )
 
     def _gather_entries(
-        self, upload: Future, writer: _FaultingWriter, req: SaveRequest, timing: SaveTiming, t0: float
+        self, upload: Future, writer: _FaultingWriter, req: SaveRequest, timing: SaveTiming, t0: float, staged: Any
     ) -> list | None:
         """Phases 1-2: wait for DCP, hash this rank's files, gather everyone's entries on rank 0."""
         err: BaseException | None = None
@@ -293,6 +316,16 @@ class AsyncSaver:
         except BaseException as e:  # DCP's CheckpointException derives from BaseException
             err = e
         timing.persisted_s = time.perf_counter() - t0
+        if req.after_upload is not None:
+            # Every rank, failed upload or not: the hook may gather (its failure is recorded,
+            # and reported by build_manifest).
+            tp = time.perf_counter()
+            try:
+                copy = staged.result() if isinstance(staged, Future) else staged
+            except BaseException:  # staging failed: the upload's error says so; the hook still runs
+                copy = None
+            req.after_upload(copy)
+            timing.extra["after_upload_s"] = time.perf_counter() - tp
         # Every rank reaches the gather, failed or not, so no rank waits forever.
         entries: dict[str, FileEntry] = {}
         if err is None:

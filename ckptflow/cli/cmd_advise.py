@@ -63,24 +63,22 @@ def advise(
     ),
     as_json: bool = json_option(),
 ) -> None:
-    import math
 
-    from ckptflow.cli.common import fail
+    from ckptflow.cli.common import check_numbers, fail
     from ckptflow.cli.errors import EXIT_NOT_FOUND, EXIT_USAGE
     from ckptflow.tasks.advise import Inputs, measure_run
     from ckptflow.tasks.advise import advise as compute
     from ckptflow.trainer.errors import ConfigError
 
-    for flag, v, strict in (
-        ("--save-seconds", save_seconds, True),
-        ("--step-seconds", step_seconds, True),
-        ("--mtbf-hours", mtbf_hours, True),
-        ("--restore-seconds", restore_seconds, False),
-    ):
-        if v is not None and not (math.isfinite(v) and (v > 0 if strict else v >= 0)):
-            fail(f"{flag} {v} must be {'> 0' if strict else '>= 0'}", EXIT_USAGE)
-    if current_steps is not None and current_steps < 1:
-        fail(f"--current-steps {current_steps} must be >= 1", EXIT_USAGE)
+    check_numbers(
+        (
+            ("--save-seconds", save_seconds, True),
+            ("--step-seconds", step_seconds, True),
+            ("--mtbf-hours", mtbf_hours, True),
+            ("--restore-seconds", restore_seconds, False),
+        ),
+        (("--current-steps", current_steps),),
+    )
     measured = None
     if from_run is not None:
         if not from_run.is_dir():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -88,25 +87,23 @@ def goodput(
     target: float = typer.Option(98.0, "--target", help="Effective time (%) to judge the result against."),
     as_json: bool = json_option(),
 ) -> None:
-    from ckptflow.cli.common import fail
+    from ckptflow.cli.common import check_numbers, fail
     from ckptflow.cli.errors import EXIT_NOT_FOUND, EXIT_USAGE
     from ckptflow.tasks import goodput as gp
     from ckptflow.trainer.errors import ConfigError
 
-    for flag, v, strict in (
-        ("--save-seconds", save_seconds, False),
-        ("--step-seconds", step_seconds, True),
-        ("--mtbf-hours", mtbf_hours, True),
-        ("--restore-seconds", restore_seconds, False),
-        ("--persist-seconds", persist_seconds, False),
-        ("--verify-seconds", verify_seconds, False),
-        ("--hours", hours, True),
-    ):
-        if v is not None and not (math.isfinite(v) and (v > 0 if strict else v >= 0)):
-            fail(f"{flag} {v} must be {'> 0' if strict else '>= 0'}", EXIT_USAGE)
-    for flag, n in (("--interval-steps", interval_steps), ("--work-steps", work_steps)):
-        if n is not None and n < 1:
-            fail(f"{flag} {n} must be >= 1", EXIT_USAGE)
+    check_numbers(
+        (
+            ("--save-seconds", save_seconds, False),
+            ("--step-seconds", step_seconds, True),
+            ("--mtbf-hours", mtbf_hours, True),
+            ("--restore-seconds", restore_seconds, False),
+            ("--persist-seconds", persist_seconds, False),
+            ("--verify-seconds", verify_seconds, False),
+            ("--hours", hours, True),
+        ),
+        (("--interval-steps", interval_steps), ("--work-steps", work_steps)),
+    )
     if restore_from not in gp.RESTORE_SOURCES:
         fail(f"--restore-from {restore_from!r}: choose one of {', '.join(gp.RESTORE_SOURCES)}", EXIT_USAGE)
     if trace is None and mtbf_hours is None:

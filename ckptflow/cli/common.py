@@ -89,6 +89,21 @@ def one_line_errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def check_numbers(
+    seconds: tuple[tuple[str, float | None, bool], ...] = (), counts: tuple[tuple[str, int | None], ...] = ()
+) -> None:
+    """Usage errors for number flags: ``(flag, value, strict)`` must be finite and > 0 (strict)
+    or >= 0; ``(flag, n)`` counts must be >= 1. None means "not given" and passes."""
+    import math
+
+    for flag, v, strict in seconds:
+        if v is not None and not (math.isfinite(v) and (v > 0 if strict else v >= 0)):
+            fail(f"{flag} {v} must be {'> 0' if strict else '>= 0'}", EXIT_USAGE)
+    for flag, n in counts:
+        if n is not None and n < 1:
+            fail(f"{flag} {n} must be >= 1", EXIT_USAGE)
+
+
 def hint(message: str) -> None:
     typer.echo(f"ckptflow: {message}", err=True)
 
