@@ -41,18 +41,35 @@ NODE_PART = "ckptflow-node-part/node-part"
 FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
 
-def _wait(runs: dict[str, Any], timeout_s: float) -> dict[str, str]:
-    """Poll the flow runs until every one is final or ``timeout_s`` passed; name -> state type."""
-    from prefect.client.orchestration import get_client
+UNCLAIMED = "UNCLAIMED"
+"""A run no worker picked up within ``unclaimed_s`` (cancelled, so a late worker skips it)."""
 
-    deadline = time.monotonic() + timeout_s
+
+def _wait(runs: dict[str, Any], timeout_s: float, *, unclaimed_s: float | None = None) -> dict[str, str]:
+    """Poll the flow runs until every one is final or ``timeout_s`` passed; name -> state type.
+
+    With ``unclaimed_s``: a run still SCHEDULED after that long has no live worker (workers poll
+    every ~10 s); it is cancelled and reported ``UNCLAIMED`` instead of being waited for."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelled
+
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
     states: dict[str, str] = {}
     with get_client(sync_client=True) as c:
         while runs:
             for name, fr in runs.items():
+                if states.get(name) == UNCLAIMED:
+                    continue
                 st = c.read_flow_run(fr.id).state_type
                 states[name] = st.value if st is not None else "UNKNOWN"
-            if all(v in FINAL for v in states.values()) or time.monotonic() > deadline:
+                if unclaimed_s is not None and states[name] == "SCHEDULED" and time.monotonic() - t0 > unclaimed_s:
+                    try:
+                        c.set_flow_run_state(fr.id, Cancelled(message=f"no worker claimed it in {unclaimed_s:.0f} s"))
+                    except Exception:  # best effort: a late worker would only run an idempotent scan
+                        pass
+                    states[name] = UNCLAIMED
+            if all(v in FINAL or v == UNCLAIMED for v in states.values()) or time.monotonic() > deadline:
                 break
             time.sleep(1.0)
     return states
@@ -120,9 +137,12 @@ def scan_node(cfg: Any, node: str) -> dict[str, Any]:
     return out
 
 
-def node_queues(pool: str = "ckptflow-pool") -> list[str]:
+def node_queues(pool: str = "ckptflow-pool", *, polled_within_s: float | None = None) -> list[str]:
     """The nodes that have a queue in the pool (``node-<id>``): every node a worker was ever
-    started for."""
+    started for — or, with ``polled_within_s``, only those whose queue a worker polled that
+    recently (workers poll every ~10 s)."""
+    from datetime import UTC, datetime
+
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as c:
@@ -130,13 +150,36 @@ def node_queues(pool: str = "ckptflow-pool") -> list[str]:
             qs = c.read_work_queues(work_pool_name=pool)
         except Exception:  # no such pool: no node workers
             return []
-    return sorted(q.name[len("node-") :] for q in qs if q.name.startswith("node-"))
+    now = datetime.now(UTC)
+
+    def live(q: Any) -> bool:
+        if polled_within_s is None:
+            return True
+        return q.last_polled is not None and (now - q.last_polled).total_seconds() <= polled_within_s
+
+    return sorted(q.name[len("node-") :] for q in qs if q.name.startswith("node-") and live(q))
 
 
-def scan_all(timeout_s: float = 300.0, pool: str = "ckptflow-pool") -> dict[str, str]:
-    """Reconcile's per-node half: a scan on every node's queue (``scan_node``), waited for."""
+NO_WORKER = "NO_WORKER"
+"""A node's scan state when no worker polled its queue lately (a node gone or replaced)."""
+
+
+def scan_all(
+    timeout_s: float = 300.0,
+    pool: str = "ckptflow-pool",
+    polled_within_s: float | None = 90.0,
+    unclaimed_s: float = 30.0,
+) -> dict[str, str]:
+    """Reconcile's per-node half: a scan on every node's queue (``scan_node``), waited for.
+
+    A replaced or stopped node leaves its queue behind, and a scan there held every reconcile
+    for ``timeout_s`` (seen: +270 s per pass). So only queues a worker polled in the last
+    ``polled_within_s`` get a scan (the others report ``NO_WORKER``), and a scan no worker
+    claims within ``unclaimed_s`` is given up (``UNCLAIMED``). Those nodes' steps are still
+    finished by the per-step pass (the part timeout, then the peers' replicas)."""
     from prefect.deployments import run_deployment
 
+    live = node_queues(pool, polled_within_s=polled_within_s)
     runs = {
         n: run_deployment(
             NODE_PART,
@@ -144,9 +187,11 @@ def scan_all(timeout_s: float = 300.0, pool: str = "ckptflow-pool") -> dict[str,
             work_queue_name=queue_for(n),
             timeout=0,
         )
-        for n in node_queues(pool)
+        for n in live
     }
-    return _wait(runs, timeout_s)
+    states = _wait(runs, timeout_s, unclaimed_s=unclaimed_s) if runs else {}
+    states.update(dict.fromkeys(sorted(set(node_queues(pool)) - set(live)), NO_WORKER))
+    return states
 
 
 def unfinished_node_steps(cfg: Any) -> dict[str, list[tuple[int, list[str]]]]:

@@ -314,3 +314,28 @@ def test_a_replaced_node_s_steps_finish_from_replicas(deployed, tmp_path, s3_end
     assert "take-over" in json.dumps(done["out"]["promote"]["part_states"])
     warm, cold = _warm_cold(tmp_path, s3_endpoint, s3_bucket)
     assert 4 in warm.committed_steps(RUN) and 4 in cold.committed_steps(RUN)
+
+
+def test_reconcile_does_not_wait_on_the_queue_of_a_node_that_is_gone(deployed):
+    """A stopped or replaced node leaves its queue: a scan there held every reconcile for the
+    scan timeout (300 s; a CI run showed +270 s). A queue nobody polled is skipped, and a
+    scan no worker claims is given up and cancelled."""
+    from prefect.client.orchestration import get_client
+
+    from ckptflow.flows.nodes import NO_WORKER, UNCLAIMED, scan_all
+
+    with get_client(sync_client=True) as c:
+        try:
+            c.create_work_queue(name="node-ghost", work_pool_name=POOL)
+        except Exception:  # already there from an earlier run against the same server
+            pass
+    t0 = time.monotonic()
+    assert scan_all(pool=POOL, unclaimed_s=5.0)["ghost"] == NO_WORKER  # (earlier tests stopped their workers)
+    assert time.monotonic() - t0 < 30
+    t0 = time.monotonic()
+    states = scan_all(pool=POOL, polled_within_s=None, unclaimed_s=3.0)
+    assert states["ghost"] == UNCLAIMED and time.monotonic() - t0 < 60, states
+    with get_client(sync_client=True) as c:
+        runs = c.read_flow_runs(limit=200)
+    ghost = [r for r in runs if r.parameters.get("node") == "ghost" and r.parameters.get("action") == "scan"]
+    assert ghost and all(r.state_type.value == "CANCELLED" for r in ghost), [r.state_type for r in ghost]

@@ -44,7 +44,8 @@ SCRIPT = textwrap.dedent("""
                          emit_events=False, on_save_error=os.environ.get("ON_ERROR", "raise")),
         model=b.model, optimizer=b.optimizer, scheduler=b.scheduler,
         provenance=Provenance(config=tcfg.to_dict(), data_fingerprint="test"),
-        sanity=SanitySpec(builder=BUILDER, config=tcfg.to_dict(), probe_tokens=b.probe.tolist(), probe_fn=live,
+        sanity=SanitySpec(builder=os.environ.get("BUILDER", BUILDER), config=tcfg.to_dict(),
+                          probe_tokens=b.probe.tolist(), probe_fn=live,
                           background=os.environ.get("BACKGROUND", "1") == "1"),
         env=env,
     )
@@ -112,3 +113,10 @@ def test_a_staged_copy_that_is_not_the_live_state_is_refused(tmp_path):
     assert 2 not in probes, "the save whose check failed must not commit"
     assert sorted(probes) == [4, 6, 8] and all(p["source"] == "live_model" for p in probes.values())
     assert calls == 4
+
+
+def test_a_builder_that_cannot_build_falls_back_to_the_live_probe(tmp_path):
+    r, calls, probes = _run(tmp_path, BUILDER="no_such_module_ckptflow:build")
+    assert "sanity probe on the training thread at every save" in r.stderr and "no_such_module_ckptflow" in r.stderr
+    assert calls == 4 and sorted(probes) == [2, 4, 6, 8]
+    assert all(p["source"] == "live_model" for p in probes.values())

@@ -450,6 +450,12 @@ class CheckpointManager:
         why = "SanitySpec.background=False"
         if self.sanity.background:
             why = "sync saves" if self.cfg.async_mode == "sync" else (probe.supported(model_sd) or "")
+        shadow = None
+        if not why and self.env.rank == 0:
+            try:
+                shadow = probe.build_shadow(self.sanity.builder, self.sanity.config, self.sanity.probe_tokens)
+            except Exception as e:  # the live probe still works: say why, and use it
+                why = f"the shadow model from {self.sanity.builder} could not be built ({e!r})"
         every: list[Any] = [why]
         if self.env.world_size > 1:
             every = [None] * self.env.world_size
@@ -457,17 +463,11 @@ class CheckpointManager:
         reasons = sorted({w for w in every if w})
         if reasons:
             if self.sanity.background and self.env.rank == 0:
-                log.info("sanity probe on the training thread: %s", "; ".join(reasons))
+                log.warning("sanity probe on the training thread at every save: %s", "; ".join(reasons))
             return None
         sharded = any(probe.is_sharded(t) for t in model_sd.values())
         return probe.BackgroundProbe(
-            probe.import_builder(self.sanity.builder),
-            self.sanity.config,
-            self.sanity.probe_tokens,
-            rank=self.env.rank,
-            world=self.env.world_size,
-            group=self.env.ckpt_group,
-            gather=bool(sharded),
+            shadow, rank=self.env.rank, world=self.env.world_size, group=self.env.ckpt_group, gather=sharded
         )
 
     @staticmethod

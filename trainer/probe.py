@@ -109,33 +109,27 @@ def full_model_state(
     return out
 
 
+def build_shadow(builder: str, config: dict[str, Any], tokens: list) -> Any:
+    """The builder's unsharded model with the probe batch (rank 0, training thread)."""
+    # The builder seeds torch's global generator (identical initial weights): keep the
+    # training loop's RNG stream untouched.
+    with torch.random.fork_rng(devices=[]):
+        built = import_builder(builder)(config, parallel="none")
+    built.probe = torch.tensor(tokens, dtype=torch.long)
+    # Only the model is needed: without the optimizer's references the builder's own
+    # weights are freed once the first staged copy is assigned.
+    for name in ("optimizer", "scheduler"):
+        if hasattr(built, name):
+            setattr(built, name, None)
+    return built
+
+
 class BackgroundProbe:
     """Rank 0's shadow model; ``loss(staged)`` runs in the commit thread on every rank."""
 
-    def __init__(
-        self,
-        builder: Callable[..., Any],
-        config: dict[str, Any],
-        tokens: list,
-        *,
-        rank: int,
-        world: int,
-        group: Any,
-        gather: bool,
-    ) -> None:
+    def __init__(self, shadow: Any, *, rank: int, world: int, group: Any, gather: bool) -> None:
         self.rank, self.world, self.group, self.gather = rank, world, group, gather
-        self._built: Any = None
-        if rank == 0:
-            # The builder seeds torch's global generator (identical initial weights): keep the
-            # training loop's RNG stream untouched.
-            with torch.random.fork_rng(devices=[]):
-                self._built = builder(config, parallel="none")
-            self._built.probe = torch.tensor(tokens, dtype=torch.long)
-            # Only the model is needed: without the optimizer's references the builder's own
-            # weights are freed once the first staged copy is assigned.
-            for name in ("optimizer", "scheduler"):
-                if hasattr(self._built, name):
-                    setattr(self._built, name, None)
+        self._built = shadow  # rank 0 only (build_shadow); None elsewhere
 
     def loss(self, staged_model: dict[str, Any] | None) -> float | None:
         """The probe loss of the staged model state (rank 0; None elsewhere). Collective."""

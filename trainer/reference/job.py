@@ -58,6 +58,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--async-mode", default="async_staging", choices=["async_staging", "thread", "process", "sync"])
     p.add_argument("--no-save", action="store_true", help="train without checkpoints (benchmarks)")
     p.add_argument(
+        "--probe",
+        default="background",
+        choices=["background", "live"],
+        help="the sanity probe loss: from the staged copy in the background (checked live at the first save), "
+        "or a forward pass on the training thread at every save",
+    )
+    p.add_argument(
         "--allow-mismatch", action="store_true", help="resume even if the config hash or data fingerprint differs"
     )
     p.add_argument("--on-save-error", default="raise", choices=["raise", "continue"])
@@ -126,7 +133,13 @@ def main(argv: list[str] | None = None) -> int:
         scheduler=b.scheduler,
         sampler=sampler,
         provenance=Provenance(config=tcfg.to_dict(), data_fingerprint=tcfg.data().fingerprint()),
-        sanity=SanitySpec(builder=BUILDER, config=tcfg.to_dict(), probe_tokens=b.probe.tolist(), probe_fn=b.probe_loss),
+        sanity=SanitySpec(
+            builder=BUILDER,
+            config=tcfg.to_dict(),
+            probe_tokens=b.probe.tolist(),
+            probe_fn=b.probe_loss,
+            background=args.probe == "background",
+        ),
         env=env,
     )
     t_load = time.perf_counter()
