@@ -191,8 +191,8 @@ def make_manager(
         scheduler=b.scheduler,
         sampler=runner.sampler,
         provenance=Provenance(config=tcfg.to_dict(), data_fingerprint=tcfg.data().fingerprint(), code_version="bench"),
-        # As in trainer.train: the probe runs in the background (trainer/probe.py) but at the
-        # first save of each manager, which also runs probe_fn on the training thread (the check).
+        # As in trainer.train: the manager runs the probe forward pass at every save (the default;
+        # SanitySpec.background=True moves it off the training thread, measured end to end).
         sanity=SanitySpec(builder=BUILDER, config=tcfg.to_dict(), probe_tokens=b.probe.tolist(), probe_fn=b.probe_loss),
         env=env,
     )

@@ -154,11 +154,14 @@ class SanitySpec:
     """A small fixed batch, stored in the manifest."""
     probe_fn: Callable[[], float]
     """Computes the probe loss now (all ranks call it; eval mode, no grad)."""
-    background: bool = True
-    """Compute the recorded probe loss off the training thread, from the staged copy, with a
-    shadow model from ``builder`` (``trainer/probe.py``; rank 0 holds one full copy of the model
-    for it). False: ``probe_fn`` on the training thread at every save. Sync saves always use
-    ``probe_fn``."""
+    background: bool = False
+    """True: compute the recorded probe loss off the training thread, from the staged (CPU)
+    copy, with a shadow model from ``builder`` (``trainer/probe.py``; rank 0 holds one full copy
+    of the model for it, on the CPU). False (default): ``probe_fn`` on the training thread at
+    every save. Measured on 2 cores with 2 ranks (docs/benchmarks.md, "Probe"): the training
+    thread blocks ~0.1 s less per save, but the end-to-end cost rose (+1.54 % vs +1.19 % of a
+    100-step interval) — the forward pass still runs on the same saturated cores, all of it on
+    rank 0. Worth it where the host has spare cores. Sync saves always use ``probe_fn``."""
     live_check_every: int = 0
     """Background probe: the first save of each attempt also runs ``probe_fn`` and fails unless
     the two agree bitwise; N >= 1 checks every Nth save too."""

@@ -59,10 +59,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-save", action="store_true", help="train without checkpoints (benchmarks)")
     p.add_argument(
         "--probe",
-        default="background",
-        choices=["background", "live"],
-        help="the sanity probe loss: from the staged copy in the background (checked live at the first save), "
-        "or a forward pass on the training thread at every save",
+        default="live",
+        choices=["live", "background"],
+        help="the sanity probe loss: a forward pass on the training thread at every save (default), or from "
+        "the staged copy in the background (checked live at the first save; SanitySpec.background)",
     )
     p.add_argument(
         "--allow-mismatch", action="store_true", help="resume even if the config hash or data fingerprint differs"
