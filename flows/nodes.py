@@ -137,10 +137,9 @@ def scan_node(cfg: Any, node: str) -> dict[str, Any]:
     return out
 
 
-def node_queues(pool: str = "ckptflow-pool", *, polled_within_s: float | None = None) -> list[str]:
-    """The nodes that have a queue in the pool (``node-<id>``): every node a worker was ever
-    started for — or, with ``polled_within_s``, only those whose queue a worker polled that
-    recently (workers poll every ~10 s)."""
+def _polled_ago(pool: str) -> dict[str, float | None]:
+    """Every node with a queue in the pool (``node-<id>``) -> seconds since a worker polled it
+    (None: never)."""
     from datetime import UTC, datetime
 
     from prefect.client.orchestration import get_client
@@ -149,15 +148,24 @@ def node_queues(pool: str = "ckptflow-pool", *, polled_within_s: float | None = 
         try:
             qs = c.read_work_queues(work_pool_name=pool)
         except Exception:  # no such pool: no node workers
-            return []
+            return {}
     now = datetime.now(UTC)
+    return {
+        q.name[len("node-") :]: (now - q.last_polled).total_seconds() if q.last_polled is not None else None
+        for q in qs
+        if q.name.startswith("node-")
+    }
 
-    def live(q: Any) -> bool:
-        if polled_within_s is None:
-            return True
-        return q.last_polled is not None and (now - q.last_polled).total_seconds() <= polled_within_s
 
-    return sorted(q.name[len("node-") :] for q in qs if q.name.startswith("node-") and live(q))
+def _fresh(ago: float | None, within_s: float | None) -> bool:
+    return within_s is None or (ago is not None and ago <= within_s)
+
+
+def node_queues(pool: str = "ckptflow-pool", *, polled_within_s: float | None = None) -> list[str]:
+    """The nodes that have a queue in the pool: every node a worker was ever started for — or,
+    with ``polled_within_s``, only those whose queue a worker polled that recently (workers
+    poll every ~10 s)."""
+    return sorted(n for n, ago in _polled_ago(pool).items() if _fresh(ago, polled_within_s))
 
 
 NO_WORKER = "NO_WORKER"
@@ -179,7 +187,8 @@ def scan_all(
     finished by the per-step pass (the part timeout, then the peers' replicas)."""
     from prefect.deployments import run_deployment
 
-    live = node_queues(pool, polled_within_s=polled_within_s)
+    ago = _polled_ago(pool)  # one read of the queues for both lists
+    live = sorted(n for n, a in ago.items() if _fresh(a, polled_within_s))
     runs = {
         n: run_deployment(
             NODE_PART,
@@ -190,7 +199,7 @@ def scan_all(
         for n in live
     }
     states = _wait(runs, timeout_s, unclaimed_s=unclaimed_s) if runs else {}
-    states.update(dict.fromkeys(sorted(set(node_queues(pool)) - set(live)), NO_WORKER))
+    states.update(dict.fromkeys(sorted(set(ago) - set(live)), NO_WORKER))
     return states
 
 

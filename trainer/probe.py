@@ -5,8 +5,9 @@ rebuild the model from the files and check it reproduces that loss bitwise. Comp
 the live model costs one forward pass on the training thread at every save (0.1-0.7 s on 2
 cores, the largest part of the save stall). Here it is computed in the commit thread from
 the *staged copy* — the very tensors DCP writes — by a shadow model the checkpoint's own
-builder made (``SanitySpec.builder``, the code path the sanity step uses), so training pays
-nothing for it.
+builder made (``SanitySpec.builder``, the code path the sanity step uses), so the training
+thread does not run it. It still takes CPU: on a host whose cores training already fills it
+cost more end to end than the live probe (docs/benchmarks.md, "Probe"), hence opt-in.
 
 What this gives up, and how it is won back: a probe of the staged copy cannot see a staging
 bug (a copy that is not the live state at step N). So the first save of every attempt (and
@@ -22,7 +23,6 @@ moment. Only rank 0 builds the manifest, so only rank 0 holds the shadow and the
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,18 +33,6 @@ from ckptflow.trainer.errors import CkptflowError
 
 class ProbeMismatch(CkptflowError):
     """The staged copy's probe loss is not the live model's: the snapshot is not step N's state."""
-
-
-def import_builder(name: str) -> Callable[..., Any]:
-    """The ``module:function`` a SanitySpec names (the user's own code, not storage's)."""
-    import importlib
-
-    mod, _, fn = str(name).partition(":")
-    if not mod or not fn:
-        from ckptflow.trainer.errors import ConfigError
-
-        raise ConfigError(f"SanitySpec.builder={name!r} must be 'module:function'")
-    return getattr(importlib.import_module(mod), fn)
 
 
 def _is_dtensor(t: Any) -> bool:
@@ -114,6 +102,8 @@ def build_shadow(builder: str, config: dict[str, Any], tokens: list) -> Any:
     # The builder seeds torch's global generator (identical initial weights): keep the
     # training loop's RNG stream untouched.
     with torch.random.fork_rng(devices=[]):
+        from ckptflow.trainer.sanity import import_builder  # local: sanity pulls in the loader
+
         built = import_builder(builder)(config, parallel="none")
     built.probe = torch.tensor(tokens, dtype=torch.long)
     # Only the model is needed: without the optimizer's references the builder's own

@@ -56,15 +56,27 @@ def resolve_builder(name: str):
     The name comes from storage: importing whatever a manifest says would let an
     edited manifest run code from any installed module, checksums or not.
     """
-    mod, _, fn = str(name).partition(":")
-    if not mod or not fn:
-        raise ConfigError(f"sanity builder {name!r} must be 'module:function'")
+    _split(name)  # a malformed name gets its own error first
     if name not in allowed_builders():
         raise ConfigError(
             f"sanity builder {name!r} named by the manifest is not allowed; add it to "
             f"${BUILDERS_ENV} (comma-separated module:function) if it is your model's builder"
         )
+    return import_builder(name)
+
+
+def import_builder(name: str):
+    """Import a ``module:function`` builder, no allow-list: for names from the user's own code
+    (``SanitySpec.builder`` in the training process), never for names read from storage."""
+    mod, fn = _split(name)
     return getattr(importlib.import_module(mod), fn)
+
+
+def _split(name: str) -> tuple[str, str]:
+    mod, _, fn = str(name).partition(":")
+    if not mod or not fn:
+        raise ConfigError(f"sanity builder {name!r} must be 'module:function'")
+    return mod, fn
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
