@@ -68,6 +68,20 @@ uploads_per_machine = 2
     return path
 
 
+def busy_cpu_s() -> float:
+    """CPU-seconds this machine has been busy (all cores, /proc/stat: everything but idle and iowait)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:9]]
+    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_s() -> float:
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def pct(xs: list[float], q: float) -> float | None:
     if not xs:
         return None
@@ -167,6 +181,7 @@ def one_round(a: argparse.Namespace, backend: str, s3: MotoServer, base: str, *,
             every = max(2, round(a.commit_every_s / STEP_SLEEP))
             steps = max(every, round(a.minutes * 60 / STEP_SLEEP))
             t0 = time.time()
+            busy0, kids0 = busy_cpu_s(), children_cpu_s()
             jobs = trainers(sup, wd, a.runs, steps, every, env, a.commit_every_s / a.runs)
             down_at = up_at = None
             if outage:
@@ -179,12 +194,14 @@ def one_round(a: argparse.Namespace, backend: str, s3: MotoServer, base: str, *,
             for j in jobs:
                 j.wait(a.minutes * 60 * 4 + 600)
             t_train = time.time()
+            trainers_cpu = children_cpu_s() - kids0  # only the trainers were reaped meanwhile
             hot = os.path.join(wd, "hot")
             made = commits(hot)
             deadline = time.time() + a.drain_timeout_s
             while time.time() < deadline and any(outcome(hot, k) is None for k in made):
                 time.sleep(2)
             t_drained = time.time()
+            busy = busy_cpu_s() - busy0
             runs = flow_runs(srv.url)
     finally:
         if pg is not None:
@@ -225,6 +242,14 @@ def one_round(a: argparse.Namespace, backend: str, s3: MotoServer, base: str, *,
         lost=[f"{k[0]}@{k[1]}" for k, v in outcomes.items() if v is None],
         processed_twice=[f"{k[0]}@{k[1]}" for k in ran_twice],
         no_flow_run=len(missing),
+        cpu={
+            "cores": os.cpu_count(),
+            "busy_s": busy,
+            "trainers_s": trainers_cpu,
+            "utilisation": busy / ((t_drained - t0) * (os.cpu_count() or 1)),
+            # everything but the trainers (server, database, workers, flow runs, checks, S3) per lifecycle
+            "per_lifecycle_s": (busy - trainers_cpu) / max(1, sum(1 for v in outcomes.values() if v)),
+        },
     )
     if outage and up_at is not None and down_at is not None:
         missed = [k for k, at in made.items() if down_at <= at <= up_at]
@@ -279,7 +304,10 @@ def main(argv: list[str] | None = None) -> int:
             f"({r['commits_per_min']:.1f}/min), lifecycles {r['lifecycles_per_min']:.1f}/min; start latency "
             f"p50/p95/p99 {_s(sl['p50'])}/{_s(sl['p95'])}/{_s(sl['p99'])}; end to end p50/p95 "
             f"{_s(e2e['p50'])}/{_s(e2e['p95'])}; drained {r['drain_s']:.0f} s after training; verified "
-            f"{r['verified']}, quarantined {r['quarantined']}, lost {len(r['lost'])}, twice {len(r['processed_twice'])}"
+            f"{r['verified']}, quarantined {r['quarantined']}, lost {len(r['lost'])}, "
+            f"twice {len(r['processed_twice'])}; "
+            f"CPU {r['cpu']['utilisation']:.0%} busy, trainers {r['cpu']['trainers_s']:.0f} s, "
+            f"{r['cpu']['per_lifecycle_s']:.1f} CPU-s per lifecycle for the rest"
         )
         if r.get("missed_during_outage") is not None:
             line += (

@@ -24,7 +24,7 @@ from ckptflow.flows.limits import machine_slot
 from ckptflow.tasks.checkpoint import CheckpointRef
 from ckptflow.tasks.config import load_config
 from ckptflow.tasks.heartbeat import Heartbeat, LifecycleBusy
-from ckptflow.tasks.stages import STAGES, Stage, StageRecord, run_stage
+from ckptflow.tasks.stages import STAGES, Stage, StageRecord, run_stage_forked
 from ckptflow.trainer import events, layout
 from ckptflow.trainer.errors import ConfigError
 
@@ -39,7 +39,7 @@ def run_name_prefix(run_id: str) -> str:
 @task(task_run_name="{stage.name}-{ref.run_id}-{ref.step}", cache_policy=NO_CACHE)
 def stage_task(stage: Stage, ref: CheckpointRef) -> StageRecord | None:
     """One stage of one checkpoint (record-checked; see ``run_stage``)."""
-    rec = run_stage(stage, ref)
+    rec = run_stage_forked(stage, ref)  # in the worker's fork server when it has one
     log = get_run_logger()
     if rec is None:
         log.info("%s: no %s tier configured, skipped", stage.name, stage.tier)

@@ -183,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     from prefect import serve
 
     deps, cfg = deployments(a.config, a.reconcile_every)
+    if cfg.prefect.forkserver:  # the served flow runs' checks fork from one warm process
+        from ckptflow.tasks.forkserver import enable
+
+        enable(os.environ)
     serve(*deps, limit=a.limit or cfg.prefect.flow_concurrency, print_starting_message=True)
     return 0
 

@@ -47,6 +47,32 @@ class CheckpointRef:
         cfg = load_config(config)
         return cls(with_hot_root(cfg, hot_root_for(cfg, uri, root)), run_id, int(step))
 
+    def to_wire(self) -> dict:
+        """JSON for another process of this machine (the fork server's stage job): the config
+        travels as its file (re-read there) plus its contents, which must match."""
+        return {
+            "source": self.cfg.source,
+            "cfg": _plain(self.cfg),
+            "hot": self.cfg.hot.url,
+            "run_id": self.run_id,
+            "step": self.step,
+            "records_tier": self.records_tier,
+            "nodes": list(self.nodes),
+        }
+
+    @classmethod
+    def from_wire(cls, d: dict) -> CheckpointRef:
+        from ckptflow.tasks.config import BUILTIN
+        from ckptflow.trainer.errors import ConfigError
+
+        cfg = with_hot_root(load_config(None if d["source"] == BUILTIN else d["source"]), d["hot"])
+        if _plain(cfg) != d["cfg"]:
+            raise ConfigError(
+                f"{d['source']}: the config read here differs from the caller's (changed since the "
+                "lifecycle started?); run the stage in the caller instead"
+            )
+        return cls(cfg, d["run_id"], int(d["step"]), d["records_tier"], tuple(d["nodes"]))
+
     @property
     def run_path(self) -> str:
         """The run on the hot tier: the trainer's folder, where the stage records live."""
@@ -87,6 +113,12 @@ class CheckpointRef:
                 raise KeyError(f"tier {name!r} is not configured in {self.cfg.source}")
             self._tiers[name] = Tier(tcfg)
         return self._tiers[name]
+
+
+def _plain(cfg: CkptflowConfig) -> dict:
+    import json
+
+    return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
 
 
 def hot_root_for(cfg: CkptflowConfig, uri: str, root: str | None) -> str:

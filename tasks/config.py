@@ -215,6 +215,11 @@ class PrefectConfig:
     creates for its machine; ``flows/limits.py``)."""
     uploads_per_machine: int = 2
     """Archives (S3 uploads) at once on one machine (likewise)."""
+    forkserver: bool = True
+    """``ckptflow worker --general`` and ``ckptflow serve`` start a fork server
+    (``tasks/forkserver.py``): their flow runs' stages, sanity steps and expectations run in
+    children forked from one process that imported torch, DCP, Great Expectations, boto3 and
+    s3fs once, instead of paying ~9 CPU-s of imports per checkpoint."""
     work_pool: str | None = None
     """Ignored; accepted so older config files still load. The work pool is named where the
     deployments are: ``deployments/prefect.yaml``."""
@@ -230,6 +235,8 @@ class PrefectConfig:
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise _fail(f"prefect.{key}", v, "must be an integer >= 1")
+        if not isinstance(self.forkserver, bool):
+            raise _fail("prefect.forkserver", self.forkserver, "must be true or false")
 
 
 @dataclass(kw_only=True, slots=True)

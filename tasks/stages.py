@@ -106,6 +106,30 @@ def run_stage(stage: Stage, ref: CheckpointRef) -> StageRecord | None:
     return StageRecord(stage.name, name, ref.run_id, ref.step, done.ok, False, body)
 
 
+def run_stage_forked(stage: Stage, ref: CheckpointRef) -> StageRecord | None:
+    """``run_stage`` in a child of this machine's fork server when there is one (the imports a
+    stage needs — torch for DCP's metadata, boto3, s3fs, zstandard — are done once per worker,
+    not once per lifecycle), else here. Only the rows of :data:`STAGES` go there: their actions
+    are plain functions of the reference (a node table's actions talk to Prefect)."""
+    from ckptflow.tasks import forkserver
+
+    if stage not in STAGES or forkserver.available() is None:
+        return run_stage(stage, ref)
+    got = forkserver.call(
+        "stage", {"stage": stage.name, "ref": ref.to_wire()}, timeout_s=24 * 3600, forward_output=True
+    )
+    if got is None:
+        return run_stage(stage, ref)
+    return None if got["record"] is None else StageRecord(**got["record"])
+
+
+def run_stage_by_name(args: dict[str, Any]) -> dict[str, Any]:
+    """The fork server's side of :func:`run_stage_forked`."""
+    stage = next(s for s in STAGES if s.name == args["stage"])
+    rec = run_stage(stage, CheckpointRef.from_wire(args["ref"]))
+    return {"record": None if rec is None else dataclasses.asdict(rec)}
+
+
 # ---- the actions --------------------------------------------------------------------------
 
 

@@ -25,8 +25,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ckptflow.tasks import records
+from ckptflow.tasks import forkserver, records
 from ckptflow.tasks.checkpoint import CheckpointRef
+from ckptflow.tasks.expectations import ExpectationReport
 from ckptflow.trainer import faults, layout
 from ckptflow.trainer.errors import CheckpointNotFoundError
 from ckptflow.trainer.verify import verify_checkpoint
@@ -50,34 +51,76 @@ class VerifyOutcome:
 
 
 def run_sanity(ckpt_dir: str, *, nproc: int = 1, timeout_s: float = 900, stats: bool = True) -> dict[str, Any]:
-    """Run ``trainer.sanity`` in a fresh process (or a torchrun job of ``nproc`` ranks)."""
+    """Run ``trainer.sanity`` in a fresh process (or a torchrun job of ``nproc`` ranks).
+
+    At world size 1 the fresh process is a child of this machine's fork server when there is
+    one (``tasks/forkserver.py``: the imports are done once per worker, not per checkpoint);
+    ``process`` in the result says which ran it.
+    """
     with tempfile.TemporaryDirectory(prefix="ckptflow-sanity-") as tmp:
         out = os.path.join(tmp, "result.json")
-        mod = ["-m", SANITY_MODULE, ckpt_dir, "--out", out, *(["--stats"] if stats else [])]
-        if nproc > 1:
-            cmd = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                f"--nproc-per-node={nproc}",
-                "--max-restarts=0",
-                *mod,
-            ]
-        else:
-            cmd = [sys.executable, *mod]
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        env.pop("CKPTFLOW_FAULT", None)  # faults are for the job under test, not the checker
+        args = [ckpt_dir, "--out", out, *(["--stats"] if stats else [])]
         t0 = time.perf_counter()
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+        ran = _sanity_forked(args, timeout_s) if nproc == 1 else None
+        if ran is not None:
+            returncode, stderr = ran
+            how = "forkserver"
+        else:
+            returncode, stderr = _sanity_fresh(args, nproc, timeout_s)
+            how = "fresh" if nproc == 1 else f"torchrun x{nproc}"
         try:
             with open(out) as f:
                 res = json.load(f)
         except (OSError, json.JSONDecodeError):
-            res = {"ok": False, "error": "sanity-crashed", "problems": [p.stderr[-2000:]]}
+            res = {"ok": False, "error": "sanity-crashed", "problems": [stderr[-2000:]]}
         res["process_seconds"] = time.perf_counter() - t0
-        res["returncode"] = p.returncode
+        res["returncode"] = returncode
+        res["process"] = how
         return res
+
+
+def _sanity_forked(args: list[str], timeout_s: float) -> tuple[int, str] | None:
+    try:
+        got = forkserver.call("sanity", {"argv": args}, timeout_s=timeout_s)
+    except TimeoutError:
+        raise subprocess.TimeoutExpired(["forkserver:sanity", *args], timeout_s) from None
+    except forkserver.ForkServerError as e:  # the check died (or raised past main): like a crash
+        return -1, f"{e}\n{e.log_tail}"
+    return None if got is None else (int(got["rc"]), "")
+
+
+def _sanity_fresh(args: list[str], nproc: int, timeout_s: float) -> tuple[int, str]:
+    mod = ["-m", SANITY_MODULE, *args]
+    if nproc > 1:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            "--max-restarts=0",
+            *mod,
+        ]
+    else:
+        cmd = [sys.executable, *mod]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env.pop("CKPTFLOW_FAULT", None)  # faults are for the job under test, not the checker
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+    return p.returncode, p.stderr
+
+
+def validate_expectations(
+    stats: list[dict], prev_stats: list[dict] | None, *, step: int, prev_step: int | None, max_norm_change: float
+) -> ExpectationReport:
+    """The expectation suite, in a fork-server child when there is one (Great Expectations is
+    ~5 CPU-s to import, 0.15 s to validate), else here."""
+    args = {"stats": stats, "prev_stats": prev_stats, "step": step, "prev_step": prev_step}
+    got = forkserver.call("expectations", {**args, "max_norm_change": max_norm_change}, timeout_s=600)
+    if got is not None:
+        return ExpectationReport(**got)
+    from ckptflow.tasks.expectations import validate
+
+    return validate(stats, prev_stats, step=step, prev_step=prev_step, max_norm_change=max_norm_change)
 
 
 def _previous_verified(run_path: str, step: int) -> tuple[int | None, list[dict] | None]:
@@ -147,10 +190,8 @@ def verify(
             return _finish(out, t0)
 
     if expectations and stats is not None:
-        from ckptflow.tasks.expectations import validate
-
         prev_step, prev_stats = _previous_verified(run_path, step)
-        rep = validate(stats, prev_stats, step=step, prev_step=prev_step, max_norm_change=max_norm_change)
+        rep = validate_expectations(stats, prev_stats, step=step, prev_step=prev_step, max_norm_change=max_norm_change)
         out.expectations = {
             "success": rep.success,
             "failures": rep.failures,

@@ -213,3 +213,29 @@ def brute_exact(s: float, r: float, m: float) -> float:
     t = t[(t + s) / m < 600]  # no overflow in exp
     a = t / (m * np.exp(r / m) * np.expm1((t + s) / m))
     return float(t[np.argmax(a)])
+
+
+# ---- the cold tier as S3 sees it ------------------------------------------------------
+
+
+def cold_steps(s3_endpoint, bucket, run_id) -> set[int]:
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
+    keys = [
+        o["Key"]
+        for p in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"ckpt/{run_id}/")
+        for o in p.get("Contents", [])
+    ]
+    return {layout.parse_step(k.split("/")[2]) for k in keys if k.endswith("/" + layout.COMMIT_MARKER)}
+
+
+def cold_objects(s3_endpoint, bucket) -> dict[str, str]:
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
+    return {
+        o["Key"]: str(o["LastModified"])
+        for p in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket)
+        for o in p.get("Contents", [])
+    }

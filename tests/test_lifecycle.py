@@ -10,33 +10,25 @@ import shutil
 import subprocess
 import time
 
-import boto3
 import pytest
 
 from ckptflow.trainer import layout
 from ckptflow.trainer.resume import find_resume_point
-from tests.helpers import PY, REPO, flip_byte, free_port, make_run, run_torchrun, step_dir, torchrun_env, write_config
+from tests.helpers import (
+    PY,
+    REPO,
+    cold_objects,
+    cold_steps,
+    flip_byte,
+    free_port,
+    make_run,
+    run_torchrun,
+    step_dir,
+    torchrun_env,
+    write_config,
+)
 
 pytestmark = pytest.mark.slow
-
-
-def cold_steps(s3_endpoint, bucket, run_id) -> set[int]:
-    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
-    keys = [
-        o["Key"]
-        for p in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"ckpt/{run_id}/")
-        for o in p.get("Contents", [])
-    ]
-    return {layout.parse_step(k.split("/")[2]) for k in keys if k.endswith("/" + layout.COMMIT_MARKER)}
-
-
-def cold_objects(s3_endpoint, bucket) -> dict[str, str]:
-    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
-    return {
-        o["Key"]: str(o["LastModified"])
-        for p in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket)
-        for o in p.get("Contents", [])
-    }
 
 
 def committed(path) -> set[int]:

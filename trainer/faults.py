@@ -62,6 +62,15 @@ def parse(text: str) -> list[FaultSpec]:
     return specs
 
 
+_ALSO_KILL: list[int] = []
+
+
+def also_kill(pid: int) -> None:
+    """A crash here also SIGKILLs ``pid`` first: a fork-server child running a lifecycle stage
+    for a flow-run process (``tasks/forkserver.py``) dies as that process would have."""
+    _ALSO_KILL.append(pid)
+
+
 def maybe_crash(phase: str, step: int | None = None) -> None:
     """SIGKILL this process if ``CKPTFLOW_FAULT`` names this phase (and step/rank/attempt)."""
     text = os.environ.get(ENV)
@@ -74,4 +83,9 @@ def maybe_crash(phase: str, step: int | None = None) -> None:
             if spec.sleep is not None:
                 time.sleep(spec.sleep)
             else:
+                for pid in _ALSO_KILL:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
                 os.kill(os.getpid(), signal.SIGKILL)

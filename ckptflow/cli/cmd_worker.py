@@ -55,6 +55,13 @@ def worker(
     env = dict(os.environ)
     if config is not None:
         env["CKPTFLOW_CONFIG"] = str(Path(config).resolve())
+    if general and cfg.prefect.forkserver:
+        # The lifecycle's stages and checks fork from one warm process (this one is replaced by
+        # the Prefect worker below, same PID: the server exits when it does). A node queue's
+        # flows (a node's part: stage on warm, prune hot) use none of what it preloads.
+        from ckptflow.tasks.forkserver import enable
+
+        enable(env)
     os.execve(
         sys.executable,
         [
