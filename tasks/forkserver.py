@@ -117,7 +117,7 @@ def available() -> str | None:
 
 
 def call(
-    job: str, args: dict[str, Any], *, timeout_s: float, connect_timeout_s: float = 30.0, forward_output: bool = False
+    job: str, args: dict[str, Any], *, timeout_s: float, connect_timeout_s: float = 120.0, forward_output: bool = False
 ) -> Any:
     """Run ``job`` in a fresh child of this machine's fork server; ``None`` when there is none.
 
@@ -133,8 +133,9 @@ def call(
     if path is None:
         return None
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    # The server binds before it imports (~10 s): a caller that connects meanwhile waits in the
-    # backlog for its child instead of paying the imports itself.
+    # The server binds before it imports (~10 s, more on a busy machine): a caller that connects
+    # meanwhile waits in the backlog for its child instead of paying the imports itself. One
+    # that gives up runs the job the old way; the child, if it comes later, sees it gone.
     s.settimeout(connect_timeout_s)
     try:
         s.connect(path)
@@ -375,7 +376,13 @@ def _die_with_caller(conn: socket.socket) -> None:
     """The caller sends nothing after its request: end of stream means it is gone (killed, or
     gave up at its timeout), and a check or stage nobody waits for must not go on writing —
     a lifecycle started after the caller died would do the same work beside it."""
+    import select
     import threading
+
+    # First synchronously: a caller that gave up while we sat in the backlog (its wait for our
+    # hello timed out, so it runs the job itself) must not find the job done twice.
+    if select.select([conn], [], [], 0)[0] and not conn.recv(1, socket.MSG_PEEK):
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def watch() -> None:
         try:
