@@ -307,8 +307,6 @@ def serve(path: str, *, parent: int | None = None, preload: tuple[str, ...] = PR
                 conn, _ = sock.accept()
             except TimeoutError:
                 continue
-            except InterruptedError:
-                continue
             pid = os.fork()
             if pid == 0:  # the child: never returns into the server loop
                 code = 1

@@ -113,14 +113,13 @@ def run_stage_forked(stage: Stage, ref: CheckpointRef) -> StageRecord | None:
     are plain functions of the reference (a node table's actions talk to Prefect)."""
     from ckptflow.tasks import forkserver
 
-    if stage not in STAGES or forkserver.available() is None:
-        return run_stage(stage, ref)
-    got = forkserver.call(
-        "stage", {"stage": stage.name, "ref": ref.to_wire()}, timeout_s=24 * 3600, forward_output=True
-    )
-    if got is None:
-        return run_stage(stage, ref)
-    return None if got["record"] is None else StageRecord(**got["record"])
+    if stage in STAGES:
+        got = forkserver.call(
+            "stage", {"stage": stage.name, "ref": ref.to_wire()}, timeout_s=24 * 3600, forward_output=True
+        )
+        if got is not None:  # None: no fork server here
+            return None if got["record"] is None else StageRecord(**got["record"])
+    return run_stage(stage, ref)
 
 
 def run_stage_by_name(args: dict[str, Any]) -> dict[str, Any]:
