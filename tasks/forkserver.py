@@ -21,7 +21,9 @@ environment, working directory and ``PYTHONPATH``, so it imports the same builde
 caller's own subprocess would have.
 
 Only the jobs in :data:`JOBS` run (the socket is in a directory only its user can open);
-a caller with no server (``$CKPTFLOW_FORKSERVER`` unset, or nothing listening) gets
+a higher layer adds its own with :func:`register` from a module the server preloads
+(``ckptflow.flows.forkrun``: a whole Prefect flow-run process, run by :func:`run_attached`
+with the caller's standard streams). A caller with no server (``$CKPTFLOW_FORKSERVER`` unset, or nothing listening) gets
 ``None`` from :func:`call` and runs the check the old way. The server exits when the
 process that started it is gone (``--parent``); children still running finish their check.
 Code upgraded under a running server takes effect when its worker restarts, like the
@@ -31,6 +33,7 @@ worker's own.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import signal
@@ -96,7 +99,15 @@ JOBS: dict[str, Callable[[dict[str, Any]], Any]] = {"sanity": _sanity, "expectat
 # The sanity step is a checker: fault injection is for the job under test (as for its fresh
 # process). A lifecycle stage is the job under test: its faults fire in the child, and kill
 # the caller too (``faults.also_kill``), as they would have killed it running the stage itself.
-_KEEPS_FAULTS = frozenset({"stage"})
+_KEEPS_FAULTS = {"stage"}
+
+
+def register(name: str, job: Callable[[dict[str, Any]], Any], *, keeps_faults: bool = False) -> None:
+    """Add a job from a higher layer (its module registers at import; the server must preload
+    it — :func:`start`'s ``preload`` — and the caller import it, so both sides know the name)."""
+    JOBS[name] = job
+    if keeps_faults:
+        _KEEPS_FAULTS.add(name)
 
 
 class ForkServerError(RuntimeError):
@@ -129,31 +140,14 @@ def call(
     """
     if job not in JOBS:
         raise ValueError(f"unknown fork-server job {job!r}; known: {sorted(JOBS)}")
-    path = available()
-    if path is None:
+    s = _connect(connect_timeout_s)
+    if s is None:
         return None
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    # The server binds before it imports (~10 s, more on a busy machine): a caller that connects
-    # meanwhile waits in the backlog for its child instead of paying the imports itself. One
-    # that gives up runs the job the old way; the child, if it comes later, sees it gone.
-    s.settimeout(connect_timeout_s)
-    try:
-        s.connect(path)
-    except OSError:
-        s.close()
-        return None  # nothing listening (a stale path): the caller's old way
     with s:
-        req = {"job": job, "args": args, "env": dict(os.environ), "cwd": os.getcwd(), "pid": os.getpid()}
-        try:
-            s.sendall(json.dumps(req).encode() + b"\n")
-            f = s.makefile("rb")
-            hello = f.readline()
-        except OSError:
+        head = _request(s, job, args, stdio=False)
+        if head is None:
             return None
-        if not hello:
-            return None  # the server went away before forking: nothing ran
-        head = json.loads(hello)
-        pid, log = int(head["pid"]), str(head["log"])
+        f, pid, log = head
         try:
             s.settimeout(timeout_s)
             try:
@@ -171,6 +165,83 @@ def call(
             if forward_output:
                 _forward(log)
             _remove(log)
+
+
+def run_attached(job: str, args: dict[str, Any], *, connect_timeout_s: float = 120.0) -> int | None:
+    """Run ``job`` in a fresh child as if it were this process: with this process's standard
+    streams, its SIGTERM/SIGINT/SIGHUP forwarded to the child, no timeout; returns the exit
+    code the job returned (``{"rc": int}``), ``None`` when there is no server (nothing ran).
+
+    A child that dies without answering (killed, crashed) ends this process with SIGKILL:
+    whoever waits on this process sees it die as the job's own process would have. If this
+    process dies, the child does too (see :func:`_die_with_caller`).
+    """
+    if job not in JOBS:
+        raise ValueError(f"unknown fork-server job {job!r}; known: {sorted(JOBS)}")
+    s = _connect(connect_timeout_s)
+    if s is None:
+        return None
+    with s:
+        head = _request(s, job, args, stdio=True)
+        if head is None:
+            return None
+        f, pid, _ = head
+
+        def forward(signum: int, _frame: object) -> None:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, forward)
+        s.settimeout(None)
+        line = f.readline()
+        if not line:
+            print(f"ckptflow: fork-server job {job} (pid {pid}) died before answering", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        res = json.loads(line)
+        if "error" in res:
+            print(res["error"], file=sys.stderr, flush=True)
+            return 1
+        return int(dict(res["value"]).get("rc", 0))
+
+
+def _connect(timeout_s: float) -> socket.socket | None:
+    path = available()
+    if path is None:
+        return None
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    # The server binds before it imports (~10 s, more on a busy machine): a caller that connects
+    # meanwhile waits in the backlog for its child instead of paying the imports itself. One
+    # that gives up runs the job the old way; the child, if it comes later, sees it gone.
+    s.settimeout(timeout_s)
+    try:
+        s.connect(path)
+    except OSError:
+        s.close()
+        return None  # nothing listening (a stale path): the caller's old way
+    return s
+
+
+def _request(s: socket.socket, job: str, args: dict[str, Any], *, stdio: bool) -> tuple[Any, int, str] | None:
+    """Send the request (with this process's fds 0-2 when ``stdio``); the child's pid and log
+    from its hello, or ``None`` when the server went away before forking (nothing ran)."""
+    req = {"job": job, "args": args, "env": dict(os.environ), "cwd": os.getcwd(), "pid": os.getpid()}
+    try:
+        if stdio:  # the fds ride on the first byte (SCM_RIGHTS); the child makes them its own 0-2
+            socket.send_fds(s, [b"S"], [0, 1, 2])
+        else:
+            s.sendall(b"-")
+        s.sendall(json.dumps(req).encode() + b"\n")
+        f = s.makefile("rb")
+        hello = f.readline()
+    except OSError:
+        return None
+    if not hello:
+        return None
+    head = json.loads(hello)
+    return f, int(head["pid"]), str(head["log"])
 
 
 def _reraise(job: str, res: dict[str, Any], log_tail: str) -> None:
@@ -242,14 +313,26 @@ def new_socket_path() -> str:
     return os.path.join(tempfile.mkdtemp(prefix="ckptflow-fork-"), "sock")
 
 
-def start(env: dict[str, str] | None = None) -> tuple[Any, str]:
+def start(env: dict[str, str] | None = None, preload: tuple[str, ...] = PRELOAD) -> tuple[Any, str]:
     """Start a fork server for this process (it exits when this process does); returns the
-    ``Popen`` and the socket path — put it in ``$CKPTFLOW_FORKSERVER`` for the callers."""
+    ``Popen`` and the socket path — put it in ``$CKPTFLOW_FORKSERVER`` for the callers.
+    ``preload``: the modules it imports (the lifecycle's by default; add those that
+    :func:`register` jobs)."""
     import subprocess
 
     path = new_socket_path()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ckptflow.tasks.forkserver", "--socket", path, "--parent", str(os.getpid())],
+        [
+            sys.executable,
+            "-m",
+            "ckptflow.tasks.forkserver",
+            "--socket",
+            path,
+            "--parent",
+            str(os.getpid()),
+            "--preload",
+            ",".join(preload),
+        ],
         env={**(env if env is not None else os.environ), "OMP_NUM_THREADS": "1"},
         stdin=subprocess.DEVNULL,
     )
@@ -262,12 +345,12 @@ def start(env: dict[str, str] | None = None) -> tuple[Any, str]:
     return proc, path
 
 
-def enable(env: dict[str, str] | Any) -> str | None:
+def enable(env: dict[str, str] | Any, preload: tuple[str, ...] = PRELOAD) -> str | None:
     """Start a fork server and name it in ``env`` (a dict for a child, or ``os.environ``) for
     the processes this one starts; on failure say so and leave ``env`` alone (checks then run
     in fresh processes, as without one)."""
     try:
-        _, path = start(dict(env))
+        _, path = start(dict(env), preload)
     except (ForkServerError, OSError) as e:
         print(f"ckptflow: no fork server ({e}); checks run in fresh processes", file=sys.stderr, flush=True)
         return None
@@ -293,8 +376,14 @@ def serve(path: str, *, parent: int | None = None, preload: tuple[str, ...] = PR
         t0 = time.perf_counter()
         for name in preload:
             import_module(name)
+        import threading
+
+        # A fork copies only the forking thread: a lock another thread held stays locked in
+        # every child. The preloads must start none (Prefect's, for one, start on first use).
+        others = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
         print(
-            f"ckptflow forkserver: {path}, preloaded {len(preload)} modules in {time.perf_counter() - t0:.1f} s",
+            f"ckptflow forkserver: {path}, preloaded {len(preload)} modules in {time.perf_counter() - t0:.1f} s"
+            + (f"; WARNING: threads running before fork: {others}" if others else ""),
             file=sys.stderr,
             flush=True,
         )
@@ -339,20 +428,37 @@ def _reap() -> None:
 def _child(conn: socket.socket) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
     conn.settimeout(None)
+    # The header byte carries the caller's fds 0-2 when it is attached (run_attached).
+    header, stdio, _, _ = socket.recv_fds(conn, 1, 3)
     f = conn.makefile("rwb")
-    req = json.loads(f.readline())
-    fd, log = tempfile.mkstemp(prefix="ckptflow-forkjob-", suffix=".log")
+    line = f.readline()
+    if stdio:  # attached: the job's output is the caller's
+        log = ""
+        fds = stdio
+    else:  # the check's output goes to its own file (the caller reads the tail if the child dies)
+        fd, log = tempfile.mkstemp(prefix="ckptflow-forkjob-", suffix=".log")
+        fds = [os.open(os.devnull, os.O_RDONLY), fd, fd]
     f.write(json.dumps({"pid": os.getpid(), "log": log}).encode() + b"\n")
     f.flush()
-    # The check's output goes to its own file (the caller reads the tail if the child dies).
     sys.stdout.flush()
     sys.stderr.flush()
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    for fd in set(fds):
+        if fd > 2:
+            os.close(fd)
     _die_with_caller(conn)
+    if stdio:
+        # A whole program: at its end it does what an interpreter exit does (below); the
+        # server's own at-exit hooks are not its to run (they would be a fresh process's only
+        # if it had imported those modules itself, and may clean up what the server still uses).
+        atexit._clear()
     try:
+        if header not in (b"S", b"-"):
+            raise ValueError(f"bad request: header byte {header!r} (a client of another ckptflow version?)")
+        req = json.loads(line)
         name = str(req.get("job"))
         job = JOBS.get(name)
         if job is None:
@@ -363,11 +469,26 @@ def _child(conn: socket.socket) -> int:
         tb = traceback.format_exc()
         print(tb, file=sys.stderr, flush=True)
         out = {"error": tb[-4000:], "exc_type": f"{type(e).__module__}:{type(e).__qualname__}", "message": str(e)}
+    if stdio:
+        _exit_hooks()
     sys.stdout.flush()
     sys.stderr.flush()
     f.write(json.dumps(out).encode() + b"\n")
     f.flush()
     return 0
+
+
+def _exit_hooks() -> None:
+    """What a normal interpreter exit runs and ``os._exit`` skips: threading's shutdown (it
+    joins non-daemon threads and runs their at-exit hooks: Prefect drains its queued logs and
+    events to the server there), then :mod:`atexit`'s."""
+    import threading
+
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - a hook that fails must not lose the answer
+        traceback.print_exc()
+    atexit._run_exitfuncs()
 
 
 def _die_with_caller(conn: socket.socket) -> None:
@@ -417,9 +538,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ckptflow.tasks.forkserver", description=__doc__.split("\n\n")[0])
     p.add_argument("--socket", required=True)
     p.add_argument("--parent", type=int, default=None, help="exit when this process is gone")
+    p.add_argument(
+        "--preload", default=",".join(PRELOAD), help="the modules to import, comma-separated (some may register jobs)"
+    )
     a = p.parse_args(argv)
-    return serve(a.socket, parent=a.parent)
+    return serve(a.socket, parent=a.parent, preload=tuple(m for m in a.preload.split(",") if m))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Serve from the module under its import name: jobs that modules register (``register``)
+    # go into ckptflow.tasks.forkserver's JOBS, which would not be this ``__main__``'s.
+    from ckptflow.tasks import forkserver as _named
+
+    sys.exit(_named.main())

@@ -111,10 +111,17 @@ def test_an_unknown_job_is_refused_by_name(server, monkeypatch):
     # the server's own check, for a client that skips the one above
     s = socket.socket(socket.AF_UNIX)
     s.connect(server)
-    s.sendall(b'{"job": "shell", "args": {}}\n')
+    s.sendall(b'-{"job": "shell", "args": {}}\n')
     f = s.makefile("rb")
     f.readline()
     assert "unknown job 'shell'" in f.readline().decode()
+    s.close()
+    s = socket.socket(socket.AF_UNIX)  # a request without the header byte is refused, not guessed at
+    s.connect(server)
+    s.sendall(b'{"job": "sanity", "args": {}}\n')
+    f = s.makefile("rb")
+    f.readline()
+    assert "bad request: header byte b'{'" in f.readline().decode()
     s.close()
 
 

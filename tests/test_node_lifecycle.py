@@ -123,6 +123,16 @@ class Workers:
     def stop(self, node: str) -> None:
         stop_group(self.procs.pop(node), timeout=10)
 
+    def wait_polling(self, timeout: float = 180.0) -> None:
+        """Until every started worker has polled its queue: a test whose subject is a part
+        timeout must not be timing a worker's start-up (seconds, more on a busy machine)."""
+        from ckptflow.flows.nodes import node_queues
+
+        t0 = time.monotonic()
+        while set(self.procs) - set(node_queues(POOL, polled_within_s=time.monotonic() - t0)):
+            assert time.monotonic() - t0 < timeout, f"workers {sorted(self.procs)} did not poll in {timeout:.0f} s"
+            time.sleep(0.5)
+
     def stop_all(self) -> None:
         for n in list(self.procs):
             self.stop(n)
@@ -305,6 +315,7 @@ def test_a_replaced_node_s_steps_finish_from_replicas(deployed, tmp_path, s3_end
     try:
         for node, cfg in cfgs.items():
             w.start(node, cfg)
+        w.wait_polling()
         t = threading.Thread(target=lambda: done.setdefault("out", _lifecycle(c4, general)))
         t.start()
         t.join(600)
