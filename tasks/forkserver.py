@@ -23,8 +23,8 @@ caller's own subprocess would have.
 Only the jobs in :data:`JOBS` run (the socket is in a directory only its user can open);
 a higher layer adds its own with :func:`register` from a module the server preloads
 (``ckptflow.flows.forkrun``: a whole Prefect flow-run process, run by :func:`run_attached`
-with the caller's standard streams). A caller with no server (``$CKPTFLOW_FORKSERVER`` unset, or nothing listening) gets
-``None`` from :func:`call` and runs the check the old way. The server exits when the
+with the caller's standard streams). A caller with no server (``$CKPTFLOW_FORKSERVER``
+unset, or nothing listening) gets ``None`` from :func:`call` and runs the check the old way. The server exits when the
 process that started it is gone (``--parent``); children still running finish their check.
 Code upgraded under a running server takes effect when its worker restarts, like the
 worker's own.
