@@ -138,16 +138,11 @@ def call(
     ``timeout_s`` (the child is killed first). ``forward_output``: the child's output is
     copied to this process's stderr afterwards (a stage's log lines, as if it ran here).
     """
-    if job not in JOBS:
-        raise ValueError(f"unknown fork-server job {job!r}; known: {sorted(JOBS)}")
-    s = _connect(connect_timeout_s)
-    if s is None:
+    started = _start_job(job, args, stdio=False, connect_timeout_s=connect_timeout_s)
+    if started is None:
         return None
+    s, f, pid, log = started
     with s:
-        head = _request(s, job, args, stdio=False)
-        if head is None:
-            return None
-        f, pid, log = head
         try:
             s.settimeout(timeout_s)
             try:
@@ -176,16 +171,11 @@ def run_attached(job: str, args: dict[str, Any], *, connect_timeout_s: float = 1
     whoever waits on this process sees it die as the job's own process would have. If this
     process dies, the child does too (see :func:`_die_with_caller`).
     """
-    if job not in JOBS:
-        raise ValueError(f"unknown fork-server job {job!r}; known: {sorted(JOBS)}")
-    s = _connect(connect_timeout_s)
-    if s is None:
+    started = _start_job(job, args, stdio=True, connect_timeout_s=connect_timeout_s)
+    if started is None:
         return None
+    s, f, pid, _ = started
     with s:
-        head = _request(s, job, args, stdio=True)
-        if head is None:
-            return None
-        f, pid, _ = head
 
         def forward(signum: int, _frame: object) -> None:
             try:
@@ -205,6 +195,23 @@ def run_attached(job: str, args: dict[str, Any], *, connect_timeout_s: float = 1
             print(res["error"], file=sys.stderr, flush=True)
             return 1
         return int(dict(res["value"]).get("rc", 0))
+
+
+def _start_job(
+    job: str, args: dict[str, Any], *, stdio: bool, connect_timeout_s: float
+) -> tuple[socket.socket, Any, int, str] | None:
+    """Connect, send the request, read the child's hello: the socket, its reader, the child's
+    pid and log; ``None`` when no server answered (nothing ran)."""
+    if job not in JOBS:
+        raise ValueError(f"unknown fork-server job {job!r}; known: {sorted(JOBS)}")
+    s = _connect(connect_timeout_s)
+    if s is None:
+        return None
+    head = _request(s, job, args, stdio=stdio)
+    if head is None:
+        s.close()
+        return None
+    return (s, *head)
 
 
 def _connect(timeout_s: float) -> socket.socket | None:

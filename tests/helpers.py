@@ -239,3 +239,15 @@ def cold_objects(s3_endpoint, bucket) -> dict[str, str]:
         for p in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket)
         for o in p.get("Contents", [])
     }
+
+
+# ---- processes ---------------------------------------------------------------------------
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -13,7 +13,7 @@ import uuid
 import pytest
 
 from ckptflow.harness import stop_group
-from tests.helpers import PY, REPO, write_config
+from tests.helpers import PY, REPO, alive, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -29,14 +29,6 @@ def _cmdline(pid: int) -> str:
 def _ppid(pid: int) -> int:
     with open(f"/proc/{pid}/stat") as f:
         return int(f.read().split(") ")[1].split()[1])
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _wait_file(path, timeout: float) -> dict:
@@ -118,7 +110,7 @@ def test_a_flow_run_is_a_child_of_the_workers_fork_server(worker):
     server = who["ppid"]
     assert "ckptflow.tasks.forkserver" in _cmdline(server), _cmdline(server)  # not a fresh python -m prefect.engine
     assert _ppid(server) == proc.pid  # the worker's own fork server
-    assert not _alive(who["pid"])  # the child exited with its flow run
+    assert not alive(who["pid"])  # the child exited with its flow run
     # The run's log line reached the server: the child drained Prefect's log queue as an exit would.
     deadline = time.monotonic() + 30
     msgs: list[str] = []
@@ -148,13 +140,13 @@ def test_cancelling_a_flow_run_stops_its_forked_process(worker):
     out = d / "sleeper.json"
     fr = _run(dep, {"out": str(out), "sleep_s": 600}, timeout=0)
     who = _wait_file(out, 240)
-    assert _alive(who["pid"])
+    assert alive(who["pid"])
     with get_client(sync_client=True) as c:
         c.set_flow_run_state(fr.id, Cancelling(), force=True)
     deadline = time.monotonic() + 90
-    while time.monotonic() < deadline and (_alive(who["pid"]) or not _state(fr.id).is_cancelled()):
+    while time.monotonic() < deadline and (alive(who["pid"]) or not _state(fr.id).is_cancelled()):
         time.sleep(1)
-    assert not _alive(who["pid"]), log.read_text()[-3000:]
+    assert not alive(who["pid"]), log.read_text()[-3000:]
     assert _state(fr.id).is_cancelled(), (_state(fr.id), log.read_text()[-3000:])
 
 

@@ -15,7 +15,7 @@ import pytest
 from ckptflow.tasks import forkserver
 from ckptflow.tasks.verify import run_sanity, validate_expectations
 from ckptflow.trainer import layout
-from tests.helpers import PY, REPO, cold_objects, cold_steps, step_dir, torchrun_env, write_config
+from tests.helpers import PY, REPO, alive, cold_objects, cold_steps, step_dir, torchrun_env, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -45,14 +45,6 @@ def _children(pid: int) -> list[int]:
             if int(fields[1]) == pid and fields[0] != "Z":
                 out.append(int(d))
     return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_sanity_in_a_forked_child_is_the_fresh_process_result(tiny_run, server, monkeypatch):
@@ -96,9 +88,9 @@ def test_a_check_past_its_timeout_is_killed(tiny_run, server, monkeypatch):
         forkserver.call("sanity", {"argv": [step_dir(tiny_run, 2), "--stats"]}, timeout_s=0.2)
     pid = int(re.search(r"pid (\d+)", str(e.value)).group(1))
     deadline = time.monotonic() + 5
-    while _alive(pid) and time.monotonic() < deadline:
+    while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(pid)
+    assert not alive(pid)
     with pytest.raises(subprocess.TimeoutExpired):  # the verify stage sees what a fresh process's timeout gives
         run_sanity(step_dir(tiny_run, 2), timeout_s=0.2)
     assert run_sanity(step_dir(tiny_run, 2))["ok"]  # and the server goes on serving
@@ -222,9 +214,9 @@ def test_a_stage_stops_when_its_flow_process_dies(s3_endpoint, s3_bucket, tmp_pa
         caller.send_signal(signal.SIGKILL)
         caller.wait(10)
         deadline = time.monotonic() + 10
-        while any(_alive(k) for k in kids) and time.monotonic() < deadline:
+        while any(alive(k) for k in kids) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not any(_alive(k) for k in kids), "the child outlived its caller"
+        assert not any(alive(k) for k in kids), "the child outlived its caller"
     finally:
         if caller.poll() is None:
             caller.kill()
