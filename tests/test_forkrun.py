@@ -61,6 +61,9 @@ def _start_worker(api: str, d, *, fork_flow_runs: bool = True) -> tuple[subproce
         PREFECT_WORKER_PREFETCH_SECONDS="1",
         PYTHONPATH=REPO,
         OMP_NUM_THREADS="1",
+        # A machine of its own: a worker creates its machine's sanity/upload limits on the
+        # session's server, and later tests' lifecycles on this host would take those slots.
+        CKPTFLOW_HOST=pool,
     )
     with open(d / "worker.log", "ab") as log:
         proc = subprocess.Popen(
