@@ -29,6 +29,14 @@ log = logging.getLogger(__name__)
 STAGE_LIMITS = {"verify": "sanity", "archive": "upload"}
 """Which stages take a slot, and of which limit."""
 
+SLOT_LEASE_S = 60.0
+"""How long the server keeps a slot whose holder stopped renewing it (the holder renews every
+45 s). A lifecycle killed while it holds a slot (SIGKILL, OOM, a lost node) cannot release it;
+with Prefect's default lease (300 s) its machine then verified nothing for 5 minutes. 60 s is
+the shortest lease the server accepts. The price: a holder cut off from the server for over a
+minute loses its slot, and two sanity steps may overlap on that machine once — a guard for the
+machine's load, never for correctness."""
+
 
 def host() -> str:
     """This machine's name as limits use it: ``CKPTFLOW_HOST`` (set it where several "machines"
@@ -68,5 +76,5 @@ def machine_slot(stage: str) -> Iterator[None]:
     from prefect.concurrency.sync import concurrency
 
     # strict=False: without the limit (no worker made it) the stage runs unlimited.
-    with concurrency(limit_name(kind), occupy=1, strict=False):
+    with concurrency(limit_name(kind), occupy=1, strict=False, lease_duration=SLOT_LEASE_S):
         yield

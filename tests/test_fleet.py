@@ -156,3 +156,43 @@ def test_each_machine_gets_its_own_sanity_and_upload_limit(prefect_pg, monkeypat
         assert (held, after) == (1, 0)
         with machine_slot("compress"):  # no limit for the other stages
             pass
+
+
+def test_a_killed_holder_s_slot_comes_back_within_its_lease(prefect_pg, monkeypatch):
+    """A lifecycle SIGKILLed in its verify stage cannot release its machine's sanity slot; the
+    slot's lease (``SLOT_LEASE_S``, 60 s, not Prefect's 300 s) bounds how long the machine
+    verifies nothing."""
+    from prefect.concurrency.sync import concurrency
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from ckptflow.flows.limits import SLOT_LEASE_S, ensure_machine_limits, limit_name
+
+    monkeypatch.setenv("PREFECT_API_URL", prefect_pg.url)
+    monkeypatch.setenv("CKPTFLOW_HOST", "m-killed")
+    with temporary_settings({PREFECT_API_URL: prefect_pg.url}):
+        ensure_machine_limits(1, 1)
+    holder = subprocess.Popen(
+        [
+            PY,
+            "-c",
+            "import time\nfrom ckptflow.flows.limits import machine_slot\n"
+            "with machine_slot('verify'):\n    print('held', flush=True)\n    time.sleep(600)",
+        ],
+        cwd=REPO,
+        env=dict(child_env(), PREFECT_API_URL=prefect_pg.url, CKPTFLOW_HOST="m-killed"),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        holder.kill()
+        killed = time.monotonic()
+    finally:
+        holder.kill()
+        holder.wait()
+    with temporary_settings({PREFECT_API_URL: prefect_pg.url}):
+        with concurrency(limit_name("sanity"), occupy=1, timeout_seconds=4 * SLOT_LEASE_S, strict=True):
+            waited = time.monotonic() - killed
+    # Not released by anyone (it waited for the lease), and back well before Prefect's 300 s:
+    # the lease, plus up to one 15 s pass of the server's repossessor.
+    assert SLOT_LEASE_S - 5 < waited < SLOT_LEASE_S + 30, waited
