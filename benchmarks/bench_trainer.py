@@ -73,6 +73,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--e2e-every", type=int, help="save interval of the end-to-end job (default 100; quick 50)")
     p.add_argument("--e2e-warmup", type=int, default=10, help="first steps left out of the end-to-end window")
     p.add_argument("--skip-e2e", action="store_true")
+    p.add_argument(
+        "--e2e-probes",
+        default="live,background,next-step",
+        help="sanity references of the saving end-to-end jobs besides the default live probe: a comma list of "
+        "background, next-step (each one more job)",
+    )
     return p.parse_args(argv)
 
 
@@ -154,13 +160,22 @@ def run_e2e(a: argparse.Namespace, workdir: str) -> dict[str, Any]:
         str(a.global_batch),
     ]
     runs: dict[str, Any] = {}
-    for name, extra in (
+    probes = a.e2e_probes.split(",")
+    jobs = [
         ("no_save", ["--run-id", "nosave", "--no-save"]),
         ("save", ["--run-id", "save", "--save-every", str(every)]),
+    ]
+    if "background" in probes:
         # The same saves with the probe computed in the background from the staged copy
         # (SanitySpec.background=True): what moving it off the training thread buys here.
-        ("save_background_probe", ["--run-id", "savebg", "--save-every", str(every), "--probe", "background"]),
-    ):
+        jobs.append(
+            ("save_background_probe", ["--run-id", "savebg", "--save-every", str(every), "--probe", "background"])
+        )
+    if "next-step" in probes:
+        # The same saves with the loss of the step after each save as the sanity reference
+        # (SanitySpec.reference="next_step"): no probe forward pass at all.
+        jobs.append(("save_next_step", ["--run-id", "savens", "--save-every", str(every), "--probe", "next-step"]))
+    for name, extra in jobs:
         load_before = os.getloadavg()[0]
         wall = torchrun(
             "ckptflow.trainer.train", common + extra, os.path.join(workdir, f"e2e-{name}.log"), timeout=3600
@@ -355,11 +370,12 @@ def summarize_e2e(e: dict[str, Any]) -> dict[str, Any]:
         return [sum(d[j] - base for j in range(s + 1, s + 1 + AFTER_SAVE_STEPS)) for s in save_steps]
 
     ex, ctrl = excess("save"), excess("no_save")
-    if "save_background_probe" in durs:
-        bg = excess("save_background_probe")
-        out["excess_per_save_background_probe_s"] = bg
-        bg_interval = every * med([v for s, v in durs["save_background_probe"].items() if s not in hit])
-        out["overhead_within_run_background_probe"] = med(bg) / bg_interval if bg else float("nan")
+    for run, key in (("save_background_probe", "background_probe"), ("save_next_step", "next_step")):
+        if run in durs:
+            other = excess(run)
+            out[f"excess_per_save_{key}_s"] = other
+            other_interval = every * med([v for s, v in durs[run].items() if s not in hit])
+            out[f"overhead_within_run_{key}"] = med(other) / other_interval if other else float("nan")
     out["saves_in_window"] = len(save_steps)
     out["excess_per_save_s"] = ex
     out["control_excess_s"] = ctrl
@@ -536,11 +552,15 @@ def print_report(s: dict[str, Any], e: dict[str, Any] | None, meta: dict[str, An
             f"excess per save {', '.join(fmt_s(x) for x in e['excess_per_save_s'])}"
         )
         p(f"  noise control:            {e['overhead_control'] * 100:+6.2f} %  (same steps of the no-save run)")
-        if "overhead_within_run_background_probe" in e:
-            p(
-                f"  probe in the background instead: {e['overhead_within_run_background_probe'] * 100:+6.2f} % within "
-                f"the run; excess per save {', '.join(fmt_s(x) for x in e['excess_per_save_background_probe_s'])}"
-            )
+        for key, what in (
+            ("background_probe", "probe in the background"),
+            ("next_step", "next-step loss as reference"),
+        ):
+            if f"overhead_within_run_{key}" in e:
+                p(
+                    f"  {what} instead: {e[f'overhead_within_run_{key}'] * 100:+6.2f} % within the run; excess "
+                    f"per save {', '.join(fmt_s(x) for x in e[f'excess_per_save_{key}_s'])}"
+                )
         if "predicted" in e:
             pr = e["predicted"]
             p(

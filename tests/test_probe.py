@@ -120,3 +120,100 @@ def test_a_builder_that_cannot_build_falls_back_to_the_live_probe(tmp_path):
     assert "sanity probe on the training thread at every save" in r.stderr and "no_such_module_ckptflow" in r.stderr
     assert calls == 4 and sorted(probes) == [2, 4, 6, 8]
     assert all(p["source"] == "live_model" for p in probes.values())
+
+
+# ---- SanitySpec(reference="next_step"): the loss the loop computes anyway ---------------------
+
+NEXT_STEP = textwrap.dedent("""
+    import os
+    import torch
+    from ckptflow.trainer.checkpointer import CheckpointConfig, CheckpointManager, Provenance, SanitySpec
+    from ckptflow.trainer.distenv import init_distributed, shutdown
+    from ckptflow.trainer.reference.build import BUILDER, TrainConfig, build
+    from ckptflow.trainer.reference.data import GlobalSampler
+    from ckptflow.trainer.reference.model import ModelConfig, lm_loss
+    from ckptflow.trainer.state import reseed_rng
+
+    env = init_distributed()
+    mcfg = {**ModelConfig.preset("tiny").to_dict(), "dropout": 0.1}   # dropout: the RNG must be restored too
+    tcfg = TrainConfig(model=mcfg, global_batch=4, parallel="fsdp")
+    b = build(tcfg.to_dict())
+    sampler = GlobalSampler(tcfg.data(), global_batch=4, rank=env.rank, world_size=env.world_size)
+    reseed_rng(99 + env.rank)
+    calls = []
+
+    def live():
+        calls.append(1)
+        return b.probe_loss()
+
+    ckpt = CheckpointManager(
+        CheckpointConfig(root=os.environ["ROOT"], run_id="r", interval=2, emit_events=False),
+        model=b.model, optimizer=b.optimizer, scheduler=b.scheduler, sampler=sampler,
+        provenance=Provenance(config=tcfg.to_dict(), data_fingerprint="test"),
+        sanity=SanitySpec(builder=BUILDER, config=tcfg.to_dict(), probe_tokens=b.probe.tolist(), probe_fn=live,
+                          reference="next_step"),
+        env=env,
+    )
+    skew = float(os.environ.get("SKEW", "0"))
+    for step in range(1, 8):
+        loss = lm_loss(b.model, sampler.next_batch())
+        if step != int(os.environ.get("MISS", "-1")):
+            ckpt.observe_loss(step, loss + skew)   # SKEW: a loop that reports another loss than it computed
+        loss.backward()
+        b.optimizer.step(); b.scheduler.step(); b.optimizer.zero_grad()
+        ckpt.save(step, force=(step == 7))
+    ckpt.close()
+    if env.rank == 0:
+        print("live_calls", len(calls))
+    shutdown(env)
+""")
+
+
+def _run_next_step(tmp_path, **env):
+    e = torchrun_env({"ROOT": str(tmp_path), **env})
+    script = tmp_path / "loop.py"
+    script.write_text(NEXT_STEP)
+    cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
+    r = subprocess.run(cmd, cwd=REPO, env=e, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    probes = {}
+    for d in sorted(glob.glob(str(tmp_path / "r" / "step_*"))):
+        with open(os.path.join(d, layout.MANIFEST)) as f:
+            m = json.load(f)
+        probes[m["step"]] = m["sanity"]["probe"]
+    return r, int(r.stdout.split("live_calls")[1].split()[0]), probes
+
+
+def test_the_next_step_s_loss_is_the_reference_and_replays_bitwise(tmp_path):
+    """No probe forward pass at any save: each checkpoint records the loss the loop computed at
+    the step after it, and the sanity step (one process, the saving world size was 2) replays
+    that step — restored data position, rank 0's dropout RNG, train mode — to the same bits. The
+    last save has no step after it: close() records the fixed probe batch instead."""
+    r, calls, probes = _run_next_step(tmp_path)
+    assert sorted(probes) == [2, 4, 6, 7], r.stderr[-2000:]
+    assert all(probes[s]["kind"] == "next_step" and probes[s]["world_size"] == 2 for s in (2, 4, 6))
+    assert probes[7]["kind"] == "fixed_batch" and probes[7]["source"] == "live_model_at_close"
+    assert calls == 1  # close() only
+    for step in (2, 6, 7):
+        res = _sanity(str(tmp_path / "r" / layout.step_name(step)))
+        assert res["ok"] and res["probe_match"] == "bitwise", res
+        assert res["probe_kind"] == ("fixed_batch" if step == 7 else "next_step")
+
+
+def test_a_next_step_loss_that_is_not_the_checkpoint_s_fails_the_sanity_step(tmp_path):
+    """As strong as the probe: a reported loss 1e-3 off (a loop reporting the wrong value, or a
+    checkpoint whose state, data position or RNG is not what that step ran on) is a mismatch."""
+    _, _, probes = _run_next_step(tmp_path, SKEW="0.001")
+    res = _sanity(str(tmp_path / "r" / layout.step_name(4)))
+    assert not res["ok"] and res["probe_match"] == "mismatch", res
+
+
+def test_a_step_that_never_reports_its_loss_commits_without_a_reference(tmp_path):
+    """observe_loss not called at step 5: the optimizer pre-hook settles checkpoint 4 without a
+    reference (the commit does not wait for a loss that cannot come); the sanity step proves
+    the restore and says why there is nothing to compare."""
+    r, _, probes = _run_next_step(tmp_path, MISS="5")
+    assert probes[4]["kind"] == "none" and "optimizer.step() ran before observe_loss()" in probes[4]["reason"]
+    assert probes[2]["kind"] == probes[6]["kind"] == "next_step"
+    res = _sanity(str(tmp_path / "r" / layout.step_name(4)))
+    assert res["ok"] and res["probe_match"] == "not_recorded" and "observe_loss" in res["probe_note"], res

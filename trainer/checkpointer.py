@@ -34,7 +34,7 @@ from ckptflow.trainer.interval import AutoInterval
 from ckptflow.trainer.loader import Reshard, files_read, load_target, load_verified
 from ckptflow.trainer.manifest import FileEntry, Manifest
 from ckptflow.trainer.nodes import not_recoverable_error, recover, resume_point
-from ckptflow.trainer.probe import ProbeMismatch
+from ckptflow.trainer.probe import NextStepLoss, ProbeMismatch, fixed_batch_record, next_step_record, none_recorded
 from ckptflow.trainer.resume import check_provenance, find_resume_point, no_checkpoint_error
 from ckptflow.trainer.saver import ASYNC_MODES, AsyncSaver, SaveRequest
 from ckptflow.trainer.state import LAYOUT, build_save_state, rank_state, shared_state
@@ -77,6 +77,12 @@ class CheckpointConfig:
     """``raise``: a failed save stops training; ``continue``: log it and train on."""
     writer_threads: int = 1
     """DCP writer threads per rank."""
+    zip_crc32: bool = True
+    """Each tensor in the data files is ``torch.save``'s zip container; True writes its CRC-32, as
+    ``torch.save`` does by default. False writes 0 there (``torch.serialization.set_crc32_options``):
+    ~40 % less writer CPU on the small reference model (docs/benchmarks.md, "Persist"), still
+    read by ``torch.load``/DCP (which never check it) and verified by the manifest's xxh3, but
+    ``zipfile``/``unzip -t`` would call each record damaged."""
     emit_events: bool = True
     """Send ``ckptflow.checkpoint.committed`` to Prefect when PREFECT_API_URL is set."""
     event_exit_budget_s: float = 1.0
@@ -165,6 +171,26 @@ class SanitySpec:
     live_check_every: int = 0
     """Background probe: the first save of each attempt also runs ``probe_fn`` and fails unless
     the two agree bitwise; N >= 1 checks every Nth save too."""
+    reference: str = "probe"
+    """The loss the sanity step must reproduce. ``probe`` (default): ``probe_fn`` on the fixed
+    probe batch at save time (on the training thread, or from the staged copy with
+    ``background``). ``next_step``: the loss the loop computes anyway at the first step after the
+    save, handed over with ``CheckpointManager.observe_loss(step, loss)`` — no extra forward pass
+    at all (``trainer/probe.py``, ``NextStepLoss``). It needs a builder whose ``Built`` can
+    replay that step: ``replay_sampler(world_size)`` (rank 0's data at the saving world size)
+    and ``replay_loss(sampler)`` (the loop's forward, train mode, on its next batch); the
+    reference builder has both."""
+    next_step_timeout_s: float = 300.0
+    """``next_step``: how long rank 0's commit waits for that loss before it commits without one."""
+
+    def __post_init__(self) -> None:
+        if self.reference not in REFERENCES:
+            raise ConfigError(f"SanitySpec.reference={self.reference!r}; choose one of {', '.join(REFERENCES)}")
+        if not self.next_step_timeout_s > 0:
+            raise ConfigError(f"SanitySpec.next_step_timeout_s={self.next_step_timeout_s!r} must be > 0")
+
+
+REFERENCES = ("probe", "next_step")
 
 
 def code_version() -> str:
@@ -254,6 +280,7 @@ class CheckpointManager:
         self._auto: AutoInterval | None = None
         self._probe: Any = None  # trainer.probe.BackgroundProbe once the first save agreed on it
         self._probe_decided = False
+        self._next_ref: NextStepLoss | None = None  # SanitySpec.reference="next_step": the pending one
         self._n_saves = 0  # saves started by this manager (this attempt)
         self.topology: Topology = single(self.env.rank, self.env.world_size)
         if not cfg.enabled:
@@ -298,12 +325,13 @@ class CheckpointManager:
             ckpt_group=group,
             mode=cfg.async_mode,
             writer_threads=cfg.writer_threads,
+            zip_crc32=cfg.zip_crc32,
             topology=self.topology,
             replicas=cfg.replicas,
         )
         # Snapshot consistency: the staged copy must exist before parameters change.
         # (close() removes the hook before it drops the saver, so the hook always sees this one.)
-        self._hook = optimizer.register_step_pre_hook(lambda *_a, **_k: saver.wait_for_staging())
+        self._hook = optimizer.register_step_pre_hook(lambda *_a, **_k: self._before_optimizer_step(saver))
 
     # -- public API -------------------------------------------------------------------
     def load(self) -> int:
@@ -359,8 +387,20 @@ class CheckpointManager:
             if auto is not None:
                 auto.saved(step)
 
+    def observe_loss(self, step: int, loss: float | torch.Tensor) -> None:
+        """This rank's loss of training step ``step`` as the loop computed it (before any all-reduce).
+
+        With ``SanitySpec(reference="next_step")`` call it every step, after the forward pass and
+        before ``optimizer.step()``: the first step after a save is that checkpoint's sanity
+        reference. Every other call returns before it looks at ``loss`` (no device sync)."""
+        ref = self._next_ref
+        if ref is None or step != ref.step + 1 or ref.done():
+            return
+        ref.settle(next_step_record(float(loss), self.env.world_size))
+
     def wait(self) -> None:
         """Block until the in-flight save is committed."""
+        self._settle_reference("a wait for the commit came before the loss of the next step")
         if self._saver is not None:
             try:
                 self._saver.wait()
@@ -370,6 +410,7 @@ class CheckpointManager:
     def close(self) -> None:
         """Finish the in-flight save, release buffers, flush events (bounded)."""
         try:
+            self._reference_at_close()
             if self._saver is not None:
                 try:
                     self._saver.close()
@@ -408,28 +449,36 @@ class CheckpointManager:
             train=shared_state(step, scheduler=self.scheduler, scaler=self.scaler),
             per_rank=rank_state(sampler=self.sampler, extra=self.extra),
         )
-        if self.sanity is not None and not self._probe_decided:
+        self._n_saves += 1
+        next_step = self.sanity is not None and self.sanity.reference == "next_step"
+        if self.sanity is not None and not next_step and not self._probe_decided:
             self._probe = self._agree_on_probe(state["model"])
             self._probe_decided = True
-        self._n_saves += 1
-        probe = self._probe
+        probe = None if next_step else self._probe
         live: float | None = None
-        if self.sanity is not None and (probe is None or self._live_check_due()):
+        if self.sanity is not None and not next_step and (probe is None or self._live_check_due()):
             live = self.sanity.probe_fn()
+        ref: NextStepLoss | None = None
+        if next_step:
+            self._next_ref = ref = NextStepLoss(step)
         # The LR a resumed run will use first; the sanity step checks the restored
         # scheduler reproduces it.
         next_lr = float(self.scheduler.get_last_lr()[0]) if self.scheduler is not None else None
         staged_loss: dict[str, Any] = {}
 
         def after_upload(staged: dict[str, Any] | None) -> None:
+            assert probe is not None  # the saver calls it only when there is a background probe
             try:
                 staged_loss["loss"] = probe.loss(staged["model"] if staged is not None else None)
             except Exception as e:  # reported by build_manifest on rank 0: the save fails everywhere
                 staged_loss["error"] = e
 
         def build(files: dict[str, FileEntry]) -> Manifest:
+            if ref is not None:  # rank 0's commit thread: the loss of step N+1, usually there already
+                assert self.sanity is not None
+                return self._manifest(step, files, metrics, next_lr, ref.wait(self.sanity.next_step_timeout_s))
             loss, source = self._recorded_probe(step, live, staged_loss)
-            return self._manifest(step, files, metrics, loss, next_lr, probe_source=source)
+            return self._manifest(step, files, metrics, next_lr, self._fixed_probe(loss, source))
 
         req = SaveRequest(
             step=step,
@@ -440,6 +489,33 @@ class CheckpointManager:
         )
         assert self._saver is not None  # save() gets here only when cfg.enabled, and then __init__ made the saver
         self._timings.append(self._saver.submit(state, req))
+
+    def _before_optimizer_step(self, saver: AsyncSaver) -> None:
+        """The optimizer pre-hook: the staged copy must exist before the parameters change, and a
+        next-step reference that has not arrived by now never will."""
+        saver.wait_for_staging()
+        self._settle_reference("optimizer.step() ran before observe_loss() gave the loss of the step after the save")
+
+    def _settle_reference(self, reason: str) -> None:
+        ref = self._next_ref
+        if ref is not None and not ref.done():
+            if ref.settle(none_recorded(f"{reason} (step {ref.step})")) and self.env.rank == 0:
+                log.warning("step %d: no sanity reference loss recorded: %s", ref.step, reason)
+
+    def _reference_at_close(self) -> None:
+        """No step after the last save (the run ended): the model still holds that step's
+        parameters, so the fixed probe batch gives its reference — every rank runs the probe
+        together (a collective under FSDP), so they agree first, on the training group."""
+        ref, self._next_ref = self._next_ref, None
+        if ref is None or self.sanity is None:
+            return
+        pending = [not ref.done()]
+        if self.env.world_size > 1:
+            pending = [None] * self.env.world_size  # type: ignore[list-item]
+            dist.all_gather_object(pending, not ref.done())
+        if any(pending):
+            loss = self.sanity.probe_fn()
+            ref.settle(fixed_batch_record(loss, self.sanity.probe_tokens, "live_model_at_close"))
 
     def _live_check_due(self) -> bool:
         n = self.sanity.live_check_every if self.sanity is not None else 0
@@ -490,29 +566,21 @@ class CheckpointManager:
             )
         return loss, ("staged_copy+live_check" if live is not None else "staged_copy")
 
+    def _fixed_probe(self, loss: float | None, source: str) -> dict[str, Any]:
+        assert self.sanity is not None and loss is not None
+        # live_model: probe_fn on the training thread; staged_copy: the background probe
+        # (trainer/probe.py); +live_check: both ran and agreed bitwise.
+        return fixed_batch_record(loss, self.sanity.probe_tokens, source)
+
     def _manifest(
-        self,
-        step: int,
-        files: dict[str, FileEntry],
-        metrics: dict,
-        probe_loss,
-        next_lr: float | None,
-        *,
-        probe_source: str = "live_model",
+        self, step: int, files: dict[str, FileEntry], metrics: dict, next_lr: float | None, probe: dict[str, Any]
     ) -> Manifest:
         sanity: dict[str, Any] = {}
         if self.sanity is not None:
             sanity = {
                 "builder": self.sanity.builder,
                 "config": self.sanity.config,
-                "probe": {
-                    "tokens": self.sanity.probe_tokens,
-                    "loss": probe_loss,
-                    "loss_hex": float(probe_loss).hex(),
-                    # live_model: probe_fn on the training thread; staged_copy: the background
-                    # probe (trainer/probe.py); +live_check: both ran and agreed bitwise.
-                    "source": probe_source,
-                },
+                "probe": probe,
                 "next_lr": next_lr,
                 "torch_threads": torch.get_num_threads(),
             }

@@ -23,6 +23,7 @@ moment. Only rank 0 builds the manifest, so only rank 0 holds the shadow and the
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -130,3 +131,68 @@ class BackgroundProbe:
         # stay unchanged until the next save stages, which waits for this one to commit.
         self._built.model.load_state_dict(full, strict=True, assign=True)
         return float(self._built.probe_loss())
+
+
+# ---- SanitySpec(reference="next_step"): the loss the loop computes anyway -------------------
+
+
+class NextStepLoss:
+    """One save's sanity reference when it is the loss of the first training step after the save.
+
+    That forward pass runs on exactly the checkpoint's state — the parameters of step N (the
+    optimizer has not stepped yet), the next batch of the saved data position, the saved RNG
+    (dropout) — so the sanity step can replay it from the files and must get the same bits. The
+    loop computes it anyway: ``CheckpointManager.observe_loss`` hands it over and costs the
+    training thread a float conversion once per save. Rank 0's commit thread waits for it before
+    it writes the manifest (usually it is there before the files are: a step is shorter than a
+    persist). Whoever settles it first wins: ``observe_loss``, the optimizer pre-hook (a step
+    that came without it: nothing to record), ``close()`` (no step came: the fixed probe batch on
+    the unchanged model), or the commit's timeout.
+    """
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self.record: dict[str, Any] = {}
+
+    def settle(self, record: dict[str, Any]) -> bool:
+        """Set the manifest's ``probe`` record; False (and nothing changes) if already settled."""
+        with self._lock:
+            if self._done.is_set():
+                return False
+            self.record = record
+            self._done.set()
+            return True
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout_s: float) -> dict[str, Any]:
+        if not self._done.wait(timeout_s):
+            self.settle(
+                none_recorded(
+                    f"no loss of step {self.step + 1} arrived within {timeout_s:g} s "
+                    "(SanitySpec.next_step_timeout_s); the sanity step checks the restore without a reference loss"
+                )
+            )
+        return self.record
+
+
+def next_step_record(loss: float, world_size: int) -> dict[str, Any]:
+    return {
+        "kind": "next_step",
+        "loss": loss,
+        "loss_hex": float(loss).hex(),
+        "source": "next_step_loss",
+        "rank": 0,
+        "world_size": world_size,
+    }
+
+
+def fixed_batch_record(loss: float, tokens: list, source: str) -> dict[str, Any]:
+    return {"kind": "fixed_batch", "tokens": tokens, "loss": loss, "loss_hex": float(loss).hex(), "source": source}
+
+
+def none_recorded(reason: str) -> dict[str, Any]:
+    return {"kind": "none", "loss": None, "reason": reason}

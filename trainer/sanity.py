@@ -5,9 +5,12 @@
 
 In a fresh process: verify every file against the manifest, rebuild the model,
 optimizer and LR schedule with the builder the manifest names, load the checkpoint
-at the current world size (DCP reshards), recompute the loss on the recorded probe
-batch and compare it with the loss recorded at save time, and check the restored
-scheduler yields the recorded next learning rate. Read-only: nothing on the tier
+at the current world size (DCP reshards), recompute the reference loss and compare it
+with the one recorded at save time, and check the restored scheduler yields the recorded
+next learning rate. The reference is either the loss of the recorded probe batch, or
+(``SanitySpec(reference="next_step")``) the loss the training loop computed at the first
+step after the save: replayed here from the restored data position and the saving rank 0's
+RNG, in train mode, so it also proves those two were restored. Read-only: nothing on the tier
 is created, cleaned or repaired.
 
 Tolerance: on the same platform (torch version, thread count) the probe loss is
@@ -135,24 +138,51 @@ def run(ckpt_dir: str, *, rtol: float = 1e-5, want_stats: bool = False) -> dict[
     if san.get("torch_threads"):
         torch.set_num_threads(int(san["torch_threads"]))
     built = resolve_builder(san["builder"])(san["config"], parallel="fsdp" if env.world_size > 1 else "none")
+    probe = san.get("probe") or {}
+    kind = probe.get("kind", "fixed_batch")  # checkpoints before SanitySpec.reference have no kind
+    sampler = None
+    if kind == "next_step":
+        if not (hasattr(built, "replay_sampler") and hasattr(built, "replay_loss")):
+            out.update(
+                error="no-replay",
+                problems=[
+                    f"the manifest's reference is the loss of the step after the save, and builder "
+                    f"{san['builder']} cannot replay a step (its Built needs replay_sampler and replay_loss)"
+                ],
+            )
+            return out
+        sampler = built.replay_sampler(int(probe["world_size"]))
     t1 = time.perf_counter()
     try:
+        # Restores this rank's RNG of the saving run (rank 0's here on rank 0) and the data position.
         load_verified(
-            ckpt_dir, manifest, env=env, model=built.model, optimizer=built.optimizer, scheduler=built.scheduler
+            ckpt_dir,
+            manifest,
+            env=env,
+            model=built.model,
+            optimizer=built.optimizer,
+            scheduler=built.scheduler,
+            sampler=sampler,
         )
     except IntegrityError as e:
         out.update(error="integrity", problems=[str(e)])
         return out
     t_load = time.perf_counter() - t1
     t2 = time.perf_counter()
-    built.probe = torch.tensor(san["probe"]["tokens"], dtype=torch.long)
-    loss = built.probe_loss()
+    rec = probe.get("loss")
+    loss: float | None = None
+    if kind == "next_step":
+        loss = built.replay_loss(sampler)  # every rank: a collective under FSDP; rank 0's is compared
+    elif kind == "fixed_batch":
+        built.probe = torch.tensor(probe["tokens"], dtype=torch.long)
+        loss = built.probe_loss()
     t_probe = time.perf_counter() - t2
-    rec = float(san["probe"]["loss"])
     same_platform = manifest.provenance.get("torch_version") == torch.__version__
-    if loss == rec:
+    if rec is None or loss is None:
+        match = "not_recorded"  # the restore is still proven; the reason is in the manifest
+    elif loss == float(rec):
         match = "bitwise"
-    elif not same_platform and math.isclose(loss, rec, rel_tol=rtol):
+    elif not same_platform and math.isclose(loss, float(rec), rel_tol=rtol):
         match = "within_rtol"
     else:
         match = "mismatch"
@@ -160,10 +190,11 @@ def run(ckpt_dir: str, *, rtol: float = 1e-5, want_stats: bool = False) -> dict[
     rec_lr = san.get("next_lr")
     lr_ok = rec_lr is None or lr == float(rec_lr)
     out.update(
+        probe_kind=kind,
         probe_loss_recorded=rec,
         probe_loss_restored=loss,
         probe_match=match,
-        probe_abs_diff=abs(loss - rec),
+        probe_abs_diff=abs(loss - float(rec)) if loss is not None and rec is not None else None,
         lr_recorded=rec_lr,
         lr_restored=lr,
         lr_match=lr_ok,
@@ -171,6 +202,8 @@ def run(ckpt_dir: str, *, rtol: float = 1e-5, want_stats: bool = False) -> dict[
         rtol=rtol,
         seconds={"verify": t_verify, "load": t_load, "probe": t_probe, "total": time.perf_counter() - t0},
     )
+    if match == "not_recorded":
+        out["probe_note"] = probe.get("reason", "no reference loss recorded")
     out["ok"] = match != "mismatch" and lr_ok
     if want_stats:
         out["stats"] = tensor_stats(built.model, built.optimizer)

@@ -6,8 +6,8 @@ Timeline of one save (``AsyncSaver.submit``), per rank::
   stager        copy live tensors into reused CPU buffers   (must end before the
                                                             next optimizer.step)
   DCP thread    plan (ckpt group) -> write own shards -> coordinator writes .metadata
-  commit thread hash own files -> gather to rank 0 -> rank 0 commits (manifest,
-                rename, latest, outbox, event) -> broadcast the outcome
+  commit thread own files' digests (taken as written) -> gather to rank 0 ->
+                rank 0 commits (manifest, rename, latest, outbox, event) -> broadcast
 
 Why this mode: measured on this machine (docs/benchmarks.md) asynchronous staging
 into a reused ``DefaultStager`` blocks the training loop ~15 ms per save whatever the
@@ -37,13 +37,13 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
 from ckptflow.trainer import faults, layout
 from ckptflow.trainer.checksum import hash_file
 from ckptflow.trainer.errors import SaveError
+from ckptflow.trainer.fastwrite import HashingWriter
 from ckptflow.trainer.manifest import FileEntry, Manifest
 from ckptflow.trainer.topology import Topology, single
 
@@ -52,8 +52,9 @@ log = logging.getLogger(__name__)
 ASYNC_MODES = ("async_staging", "thread", "process", "sync")
 
 
-class _FaultingWriter(FileSystemWriter):
-    """FileSystemWriter with the ``write``/``shards`` fault points (tests, chaos drills).
+class _FaultingWriter(HashingWriter):
+    """The data-file writer (``fastwrite.py``) with the ``write``/``shards`` fault points (tests,
+    chaos drills).
 
     In PROCESS mode this object runs in DCP's daemon process, so the faults fire there.
     """
@@ -121,6 +122,17 @@ def disk_full_hint(run_path: str, need: int) -> str:
     )
 
 
+def _entry(writer: HashingWriter, name: str) -> FileEntry:
+    """A file's manifest entry: the digest the writer computed as it wrote the file, else
+    (``.metadata``; PROCESS mode, whose writer ran in DCP's daemon) one read of the file."""
+    path = os.path.join(writer.path, name)
+    known = writer.digests.get(name)
+    if known is not None and os.stat(path).st_size == known[1]:
+        return FileEntry(known[1], known[0])
+    digest, size = hash_file(path)
+    return FileEntry(size, digest)
+
+
 class _RecordingStager(DefaultStager):
     """DCP's stager, remembering what it staged: the background probe runs on that copy."""
 
@@ -167,6 +179,7 @@ class AsyncSaver:
         ckpt_group: dist.ProcessGroup,
         mode: str = "async_staging",
         writer_threads: int = 1,
+        zip_crc32: bool = True,
         topology: Topology | None = None,
         replicas: int = 2,
         timeout_s: float = 600.0,
@@ -182,6 +195,7 @@ class AsyncSaver:
         self._last_bytes = 0  # size of the last committed checkpoint: what the next one needs
         self.mode = mode
         self.writer_threads = writer_threads
+        self.zip_crc32 = zip_crc32
         # Reused across saves: its CPU buffers are allocated once, then copied into.
         self._stager = (
             _RecordingStager(
@@ -205,7 +219,9 @@ class AsyncSaver:
         timing = SaveTiming(req.step)
         tmp = os.path.join(req.run_path, layout.tmp_name(req.step))
         os.makedirs(tmp, exist_ok=True)
-        writer = _FaultingWriter(tmp, req.step, thread_count=self.writer_threads, sync_files=True)
+        writer = _FaultingWriter(
+            tmp, req.step, thread_count=self.writer_threads, sync_files=True, zip_crc32=self.zip_crc32
+        )
         t0 = time.perf_counter()
         if self.mode == "sync":
             upload: Future = Future()
@@ -336,8 +352,7 @@ class AsyncSaver:
                     names.append(layout.DCP_METADATA)
                     faults.maybe_crash("after_shards", req.step)
                 for n in names:
-                    digest, size = hash_file(os.path.join(writer.path, n))
-                    entries[n] = FileEntry(size, digest)
+                    entries[n] = _entry(writer, n)
             except OSError as e:
                 err = e
         gathered: list | None = [None] * dist.get_world_size(self.group) if self.rank == 0 else None

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ckptflow.trainer.errors import ConfigError
-from ckptflow.trainer.reference.data import DataConfig, probe_batch
+from ckptflow.trainer.reference.data import DataConfig, GlobalSampler, probe_batch
 from ckptflow.trainer.reference.model import ModelConfig, Transformer, lm_loss
 
 BUILDER = "ckptflow.trainer.reference.build:build"
@@ -83,6 +83,23 @@ class Built:
         self.model.eval()
         with torch.no_grad():
             loss = float(lm_loss(self.model, self.probe))
+        self.model.train(was)
+        return loss
+
+    # SanitySpec(reference="next_step"): replay the loop's first step after a checkpoint.
+    def replay_sampler(self, world_size: int) -> GlobalSampler:
+        """Rank 0's share of the data at the saving world size; the sanity step restores its
+        position from the checkpoint."""
+        return GlobalSampler(self.cfg.data(), global_batch=self.cfg.global_batch, rank=0, world_size=world_size)
+
+    def replay_loss(self, sampler: GlobalSampler) -> float:
+        """What ``trainer.reference.job``'s loop computes at a step: the forward pass in train mode
+        (dropout draws from the restored RNG) on the sampler's next batch. Autograd stays on, as
+        in the loop, so every kernel is the one the loop ran; nothing steps."""
+        was = self.model.training
+        self.model.train()
+        with torch.enable_grad():
+            loss = float(lm_loss(self.model, sampler.next_batch()))
         self.model.train(was)
         return loss
 

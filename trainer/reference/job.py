@@ -60,9 +60,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--probe",
         default="live",
-        choices=["live", "background"],
-        help="the sanity probe loss: a forward pass on the training thread at every save (default), or from "
-        "the staged copy in the background (checked live at the first save; SanitySpec.background)",
+        choices=["live", "background", "next-step"],
+        help="the sanity reference loss: a forward pass on the training thread at every save (live, the "
+        "default), from the staged copy in the background (checked live at the first save; "
+        "SanitySpec.background), or the loss of the first step after each save, which the loop computes "
+        "anyway (next-step; SanitySpec.reference)",
     )
     p.add_argument(
         "--allow-mismatch", action="store_true", help="resume even if the config hash or data fingerprint differs"
@@ -139,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             probe_tokens=b.probe.tolist(),
             probe_fn=b.probe_loss,
             background=args.probe == "background",
+            reference="next_step" if args.probe == "next-step" else "probe",
         ),
         env=env,
     )
@@ -153,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         tokens = sampler.next_batch()
         lr = cast(float, b.scheduler.get_last_lr()[0])  # a float: build() gives the optimizer a float lr
         loss = lm_loss(b.model, tokens)
+        ckpt.observe_loss(step, loss)  # the sanity reference of the save before this step (next-step)
         loss.backward()
         b.optimizer.step()  # waits for checkpoint staging first (pre-hook)
         b.scheduler.step()

@@ -1,0 +1,240 @@
+"""DCP's data files written without a ``torch.save`` per tensor, each file hashed as it is written.
+
+DCP's ``FileSystemWriter`` serialises every tensor with ``torch.save`` into the file: per item
+a pickle and zip bookkeeping (~0.3 ms), and miniz's CRC-32 of every byte (~1.4 GB/s here).
+For the small reference model's 311 tensors (83 MB per rank) that is ~195 ms of CPU against
+~43 ms to write the same bytes raw, and then the commit thread reads every byte again to hash
+it (~15 ms). On a host whose cores training already fills (2 ranks, 2 cores) every one of
+those CPU-ms is taken from training (docs/benchmarks.md, "Persist").
+
+What the files hold does not change. The container ``torch.save`` makes for a plain tensor
+depends on the tensor's bytes in three places only: the data record itself, that record's
+CRC-32 (in the data descriptor miniz writes after it, and in its central directory entry),
+and the ``.data/serialization_id`` record, an identifier torch only logs. So the first time a
+tensor of a given layout (dtype, shape, stride, offset, storage size) is saved, ``torch.save``
+writes it once into memory under ``torch.serialization.skip_data()`` (thread-local: the data
+is left as a gap), and the bytes before and after the gap become that layout's template.
+Every later save writes the template's head, the data straight from the tensor's memory and
+the template's tail, with the CRC-32 computed by zlib (2-3.5 GB/s here) and patched in. The
+result is ``torch.save``'s own container, a valid zip (every CRC right), read by vanilla
+``torch.load``, ``dcp.load`` and ``dcp_to_torch_save``; byte for byte it differs from what
+``torch.save`` would write only in the serialization id, which is that of the layout's first
+save (tests/test_fastwrite.py checks both).
+
+Each file's xxh3 is computed from the same buffers as they are written, so the commit thread
+takes the digest from here instead of reading the file back (``AsyncSaver._gather_entries``;
+in PROCESS mode this object lives in DCP's daemon process, and the commit thread hashes the
+files itself as before). Anything the template path does not cover — a tensor subclass, a
+tensor with Python attributes or hooks, a stream transform extension — is written by
+``torch.save`` exactly as DCP would, through the same hashing stream.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import queue
+import struct
+import threading
+import zlib
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from typing import IO, Any, cast
+
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystemWriter, SerializationFormat, _StorageInfo
+from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from ckptflow.trainer import zipfmt
+from ckptflow.trainer.checksum import new_hasher
+
+DATA_RECORD = "archive/data/0"
+"""A lone tensor's one storage, as ``torch.save`` names it in a stream."""
+
+MAX_TEMPLATES = 8192
+"""Layouts kept (a few KB each); a model has one per distinct parameter/optimizer shape."""
+
+
+class _Template:
+    """A layout's container: the bytes before and after the data, and where its CRC-32 goes."""
+
+    __slots__ = ("prefix", "suffix", "crc_in_prefix", "crc_in_suffix")
+
+    def __init__(self, prefix: bytes, suffix: bytes, crc_in_prefix: list[int], crc_in_suffix: list[int]) -> None:
+        self.prefix, self.suffix = prefix, suffix
+        self.crc_in_prefix, self.crc_in_suffix = crc_in_prefix, crc_in_suffix
+
+
+_templates: OrderedDict[tuple, _Template | None] = OrderedDict()
+_lock = threading.Lock()
+
+
+def _layout(t: torch.Tensor) -> tuple | None:
+    """What a tensor's container depends on besides its bytes; None where templates don't apply."""
+    if (
+        type(t) is not torch.Tensor
+        or t.layout is not torch.strided
+        or t.device.type != "cpu"
+        or t.requires_grad
+        or t.is_quantized
+        or t.is_conj()
+        or t.is_neg()
+        or t.__dict__  # Python attributes are pickled with the tensor
+        or t._backward_hooks
+    ):
+        return None
+    return (t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.untyped_storage().nbytes())
+
+
+def _make_template(t: torch.Tensor) -> _Template | None:
+    buf = io.BytesIO()
+    with torch.serialization.skip_data():  # thread-local: the data is left as a gap
+        torch.save(t, buf)
+    raw = buf.getbuffer()
+    try:
+        ents = zipfmt.entries(raw)
+    except ValueError:
+        return None
+    e = ents.get(DATA_RECORD)
+    if e is None or len(ents) < 2 or e.size != t.untyped_storage().nbytes():
+        return None  # not the one-storage container this module knows
+    end = e.data + e.size
+    crc_in_prefix, crc_in_suffix = [], [e.central + 16 - end]
+    (flags,) = struct.unpack_from("<H", raw, e.local + 6)
+    if flags & 0x8:  # streamed: the CRC follows the data, in a descriptor (miniz writes one)
+        if bytes(raw[end : end + 4]) != b"PK\x07\x08":
+            return None
+        crc_in_suffix.append(4)
+    else:
+        crc_in_prefix.append(e.local + 14)
+    return _Template(bytes(raw[: e.data]), bytes(raw[end:]), crc_in_prefix, crc_in_suffix)
+
+
+def template(t: torch.Tensor) -> _Template | None:
+    """The container template of ``t``'s layout (made on first use), or None."""
+    key = _layout(t)
+    if key is None:
+        return None
+    with _lock:
+        if key in _templates:
+            _templates.move_to_end(key)
+            return _templates[key]
+    made = _make_template(t)
+    with _lock:
+        _templates[key] = made
+        while len(_templates) > MAX_TEMPLATES:
+            _templates.popitem(last=False)
+    return made
+
+
+def storage_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of ``t``'s whole storage, without a copy (what ``torch.save`` writes)."""
+    s = t.untyped_storage()
+    u8 = torch.empty(0, dtype=torch.uint8).set_(s, 0, (s.nbytes(),), (1,))
+    return memoryview(cast(Any, u8.numpy())).cast("B")
+
+
+class HashingStream:
+    """A write-only file wrapper: xxh3 of every byte, and the position, as they go out."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+        self.hasher = new_hasher()
+        self.pos = 0
+
+    def write(self, b: Any) -> int:
+        mv = memoryview(b).cast("B")
+        self.hasher.update(mv)
+        self.raw.write(mv)
+        self.pos += len(mv)
+        return len(mv)
+
+    def tell(self) -> int:
+        return self.pos
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def writable(self) -> bool:
+        return True
+
+
+def write_tensor(out: HashingStream, t: torch.Tensor, *, crc32: bool = True) -> bool:
+    """Append ``t`` as ``torch.save`` would; True if through a template, False if by ``torch.save``.
+
+    ``crc32=False`` leaves the data's CRC-32 at 0, as ``torch.serialization.set_crc32_options(False)``
+    does: ``torch.load`` never checks it (ckptflow's xxh3 covers every byte), but ``zipfile`` and
+    ``unzip -t`` then call the record damaged."""
+    tpl = template(t)
+    if tpl is None:
+        torch.save(t, cast(IO[bytes], out))  # it only calls write/flush/tell
+        return False
+    data = storage_bytes(t)
+    crc = zlib.crc32(data) if crc32 else 0
+    pre, suf = bytearray(tpl.prefix), bytearray(tpl.suffix)
+    for at in tpl.crc_in_prefix:
+        struct.pack_into("<I", pre, at, crc)
+    for at in tpl.crc_in_suffix:
+        struct.pack_into("<I", suf, at, crc)
+    out.write(pre)
+    out.write(data)
+    out.write(suf)
+    return True
+
+
+class HashingWriter(FileSystemWriter):
+    """DCP's ``FileSystemWriter`` (same files, same names, same metadata), writing tensors from
+    templates and recording each data file's ``(xxh3, size)`` in ``digests``."""
+
+    def __init__(self, path: str | os.PathLike, *, zip_crc32: bool = True, **kw: Any) -> None:
+        super().__init__(path, **kw)
+        self.zip_crc32 = zip_crc32
+        self.digests: dict[str, tuple[str, int]] = {}
+        self.items_templated = 0
+        self.items_saved = 0
+
+    def _write_data(self, planner: SavePlanner, file_queue: queue.Queue) -> Future:
+        if self.transforms.extensions or self.serialization_format != SerializationFormat.TORCH_SAVE:
+            return super()._write_data(planner, file_queue)  # what this module does not cover
+        jobs = []
+        while not file_queue.empty():
+            jobs.append(file_queue.get_nowait())
+        if len(jobs) <= 1:
+            per_file = [self._write_file(planner, *j) for j in jobs]
+        else:  # one thread per file, as DCP's own writer
+            with ThreadPoolExecutor(len(jobs), thread_name_prefix="ckptflow-write") as ex:
+                per_file = list(ex.map(lambda j: self._write_file(planner, *j), jobs))
+        fut: Future = Future()
+        fut.set_result([r for rs in per_file for r in rs])
+        return fut
+
+    def _write_file(self, planner: SavePlanner, path: Any, storage_key: str, items: list[WriteItem]) -> list:
+        results: list[WriteResult] = []
+        with self.fs.create_stream(path, "wb") as raw:
+            out = HashingStream(raw)
+            for wi in (w for w in items if w.type == WriteItemType.BYTE_IO):
+                data = cast(io.BytesIO, planner.resolve_data(wi))
+                off = out.tell()
+                out.write(data.getbuffer())
+                results.append(_result(wi, storage_key, off, out.tell() - off))
+            for wi in (w for w in items if w.type != WriteItemType.BYTE_IO):
+                t = cast(torch.Tensor, planner.resolve_data(wi)).detach().cpu()
+                if t.untyped_storage().nbytes() != t.nbytes:  # as DCP: a view saves only itself
+                    t = t.clone()
+                off = out.tell()
+                if write_tensor(out, t, crc32=self.zip_crc32):
+                    self.items_templated += 1
+                else:
+                    self.items_saved += 1
+                results.append(_result(wi, storage_key, off, out.tell() - off))
+            raw.flush()
+            if self.sync_files:
+                os.fsync(raw.fileno())
+        self.digests[storage_key] = (out.hasher.hexdigest(), out.pos)
+        return results
+
+
+def _result(wi: WriteItem, storage_key: str, offset: int, length: int) -> WriteResult:
+    return WriteResult(index=wi.index, size_in_bytes=length, storage_data=_StorageInfo(storage_key, offset, length))
