@@ -198,6 +198,12 @@ def test_the_next_step_s_loss_is_the_reference_and_replays_bitwise(tmp_path):
         res = _sanity(str(tmp_path / "r" / layout.step_name(step)))
         assert res["ok"] and res["probe_match"] == "bitwise", res
         assert res["probe_kind"] == ("fixed_batch" if step == 7 else "next_step")
+    # At a third world size too (as a restore drill runs it): FSDP over 3 ranks, each replaying
+    # rank 0's share of the saving job's batch; rank 0 has rank 0's RNG.
+    from ckptflow.tasks.verify import run_sanity
+
+    res = run_sanity(str(tmp_path / "r" / layout.step_name(4)), nproc=3, stats=False)
+    assert res["ok"] and res["probe_match"] == "bitwise" and res["world_size"] == 3, res
 
 
 def test_a_next_step_loss_that_is_not_the_checkpoint_s_fails_the_sanity_step(tmp_path):
