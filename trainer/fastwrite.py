@@ -194,6 +194,7 @@ class HashingWriter(FileSystemWriter):
         self.digests: dict[str, tuple[str, int]] = {}
         self.items_templated = 0
         self.items_saved = 0
+        self._count_lock = threading.Lock()  # files are written by several threads
 
     def _write_data(self, planner: SavePlanner, file_queue: queue.Queue) -> Future:
         if self.transforms.extensions or self.serialization_format != SerializationFormat.TORCH_SAVE:
@@ -212,6 +213,7 @@ class HashingWriter(FileSystemWriter):
 
     def _write_file(self, planner: SavePlanner, path: Any, storage_key: str, items: list[WriteItem]) -> list:
         results: list[WriteResult] = []
+        templated = 0
         with self.fs.create_stream(path, "wb") as raw:
             out = HashingStream(raw)
             for wi in (w for w in items if w.type == WriteItemType.BYTE_IO):
@@ -224,15 +226,15 @@ class HashingWriter(FileSystemWriter):
                 if t.untyped_storage().nbytes() != t.nbytes:  # as DCP: a view saves only itself
                     t = t.clone()
                 off = out.tell()
-                if write_tensor(out, t, crc32=self.zip_crc32):
-                    self.items_templated += 1
-                else:
-                    self.items_saved += 1
+                templated += write_tensor(out, t, crc32=self.zip_crc32)
                 results.append(_result(wi, storage_key, off, out.tell() - off))
             raw.flush()
             if self.sync_files:
                 os.fsync(raw.fileno())
-        self.digests[storage_key] = (out.hasher.hexdigest(), out.pos)
+        with self._count_lock:
+            self.digests[storage_key] = (out.hasher.hexdigest(), out.pos)
+            self.items_templated += templated
+            self.items_saved += sum(w.type != WriteItemType.BYTE_IO for w in items) - templated
         return results
 
 
