@@ -567,7 +567,9 @@ class CheckpointManager:
         return loss, ("staged_copy+live_check" if live is not None else "staged_copy")
 
     def _fixed_probe(self, loss: float | None, source: str) -> dict[str, Any]:
-        assert self.sanity is not None and loss is not None
+        """The manifest's probe record of a fixed-batch probe; empty without a SanitySpec."""
+        if self.sanity is None or loss is None:
+            return {}
         # live_model: probe_fn on the training thread; staged_copy: the background probe
         # (trainer/probe.py); +live_check: both ran and agreed bitwise.
         return fixed_batch_record(loss, self.sanity.probe_tokens, source)
