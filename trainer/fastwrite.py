@@ -69,6 +69,8 @@ class _Template:
 
 _templates: OrderedDict[tuple, _Template | None] = OrderedDict()
 _lock = threading.Lock()
+_count_lock = threading.Lock()
+"""Module-level, not on the writer: in PROCESS mode DCP pickles the writer into its daemon."""
 
 
 def _layout(t: torch.Tensor) -> tuple | None:
@@ -194,7 +196,6 @@ class HashingWriter(FileSystemWriter):
         self.digests: dict[str, tuple[str, int]] = {}
         self.items_templated = 0
         self.items_saved = 0
-        self._count_lock = threading.Lock()  # files are written by several threads
 
     def _write_data(self, planner: SavePlanner, file_queue: queue.Queue) -> Future:
         if self.transforms.extensions or self.serialization_format != SerializationFormat.TORCH_SAVE:
@@ -231,7 +232,7 @@ class HashingWriter(FileSystemWriter):
             raw.flush()
             if self.sync_files:
                 os.fsync(raw.fileno())
-        with self._count_lock:
+        with _count_lock:  # files are written by several threads
             self.digests[storage_key] = (out.hasher.hexdigest(), out.pos)
             self.items_templated += templated
             self.items_saved += sum(w.type != WriteItemType.BYTE_IO for w in items) - templated
