@@ -102,9 +102,11 @@ def _dcp(sd: Any, path: str, fast: bool, crc32: bool = True) -> None:
 
 
 def _raw(tensors: list, path: str) -> None:
+    from ckptflow.trainer.fastwrite import storage_bytes
+
     with open(path, "wb", buffering=0) as f:
-        for t in tensors:
-            f.write(memoryview(t.detach().contiguous().view(-1).view(__import__("torch").uint8).numpy()))
+        for t in tensors:  # the state's own tensors: contiguous, each its whole storage
+            f.write(storage_bytes(t))
         os.fsync(f.fileno())
 
 
