@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 
 from ckptflow.trainer import fastwrite, zipfmt
-from ckptflow.trainer.checksum import hash_bytes, hash_file
+from ckptflow.trainer.checksum import digest_file, hash_bytes, hash_file
 from ckptflow.trainer.dcpmeta import read_dcp_metadata
 
 TENSORS = {
@@ -107,7 +107,8 @@ def test_a_dcp_checkpoint_written_by_it_is_standard_dcp(tmp_path, threads):
         k: (v.relative_path, v.offset, v.length) for k, v in md_theirs.storage_data.items()
     }
     # Each file's digest was taken as it was written, and is the file's.
-    assert writer.digests == {n: hash_file(ours / n) for n in names}
+    got = {n: (d.hexdigest(), d.size, d.blocks()) for n, d in writer.digests.items()}
+    assert got == {n: (*hash_file(ours / n), digest_file(ours / n).blocks()) for n in names}
     assert writer.items_templated > 0
     # Vanilla DCP reads it back.
     back = _sd()

@@ -54,3 +54,75 @@ def hash_file(path: str | os.PathLike) -> tuple[str, int]:
     """Digest and size of a local file, read in chunks (never whole in memory)."""
     with open(path, "rb", buffering=0) as f:
         return hash_stream(f)
+
+
+# ---- per-block digests: what lets a load verify and copy a file in parallel pieces ----------
+
+MIN_BLOCK = 1 << 20
+"""Bytes per block, at least. xxh3 streams sequentially, so one file's digest takes one core;
+the blocks' digests (in the manifest beside the file's) let a load verify a file on every core
+and copy each block into the model right after it matched, while it is still in the core's
+cache (1 MiB fits L2; 8 MiB blocks made that copy ~15 % slower here)."""
+MAX_BLOCKS = 1024
+"""Blocks per file, at most (larger files get larger blocks): a 2 GB shard adds 16 KB to the manifest."""
+
+
+def block_size_for(nbytes: int) -> int:
+    """The block size for a file of about ``nbytes`` (a power of two, ``MIN_BLOCK`` or more)."""
+    b = MIN_BLOCK
+    while b * MAX_BLOCKS < nbytes:
+        b *= 2
+    return b
+
+
+BLOCK_ALGORITHM = "xxh3_64"
+BLOCK_HEX = 16  # characters per block digest
+
+
+def block_digest(data: bytes | bytearray | memoryview) -> str:
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+class FileDigest:
+    """A file's digest (``ALGORITHM``) and its blocks' (``BLOCK_ALGORITHM``), in one pass over its
+    bytes in order: ``update`` as they are written or read, then ``hexdigest``/``blocks``."""
+
+    def __init__(self, block: int = MIN_BLOCK) -> None:
+        self.block = block
+        self.size = 0
+        self._whole = new_hasher()
+        self._part = xxhash.xxh3_64()
+        self._fill = 0
+        self._done: list[str] = []
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        mv = memoryview(data).cast("B")
+        self._whole.update(mv)
+        self.size += len(mv)
+        while len(mv):
+            take = min(len(mv), self.block - self._fill)
+            self._part.update(mv[:take])
+            self._fill += take
+            mv = mv[take:]
+            if self._fill == self.block:
+                self._done.append(self._part.hexdigest())
+                self._part.reset()
+                self._fill = 0
+
+    def hexdigest(self) -> str:
+        return self._whole.hexdigest()
+
+    def blocks(self) -> str:
+        """Every block's digest, concatenated (``BLOCK_HEX`` characters each; the last block may be short)."""
+        return "".join(self._done) + (self._part.hexdigest() if self._fill else "")
+
+
+def digest_file(path: str | os.PathLike) -> FileDigest:
+    """:class:`FileDigest` of a local file, read in chunks."""
+    d = FileDigest(block_size_for(os.path.getsize(path)))
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while got := f.readinto(view):
+            d.update(view[:got])
+    return d

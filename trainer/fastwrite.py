@@ -32,6 +32,7 @@ tensor with Python attributes or hooks, a stream transform extension — is writ
 from __future__ import annotations
 
 import io
+import math
 import os
 import queue
 import struct
@@ -48,7 +49,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ckptflow.trainer import zipfmt
-from ckptflow.trainer.checksum import new_hasher
+from ckptflow.trainer.checksum import FileDigest, block_size_for
 
 DATA_RECORD = "archive/data/0"
 """A lone tensor's one storage, as ``torch.save`` names it in a stream."""
@@ -139,11 +140,12 @@ def storage_bytes(t: torch.Tensor) -> memoryview:
 
 
 class HashingStream:
-    """A write-only file wrapper: xxh3 of every byte, and the position, as they go out."""
+    """A write-only file wrapper: the file's digest and its blocks' (``FileDigest``), and the
+    position, as the bytes go out."""
 
-    def __init__(self, raw: Any) -> None:
+    def __init__(self, raw: Any, expected_bytes: int = 0) -> None:
         self.raw = raw
-        self.hasher = new_hasher()
+        self.hasher = FileDigest(block_size_for(expected_bytes))
         self.pos = 0
 
     def write(self, b: Any) -> int:
@@ -193,7 +195,7 @@ class HashingWriter(FileSystemWriter):
     def __init__(self, path: str | os.PathLike, *, zip_crc32: bool = True, **kw: Any) -> None:
         super().__init__(path, **kw)
         self.zip_crc32 = zip_crc32
-        self.digests: dict[str, tuple[str, int]] = {}
+        self.digests: dict[str, FileDigest] = {}
         self.items_templated = 0
         self.items_saved = 0
 
@@ -216,7 +218,7 @@ class HashingWriter(FileSystemWriter):
         results: list[WriteResult] = []
         templated = 0
         with self.fs.create_stream(path, "wb") as raw:
-            out = HashingStream(raw)
+            out = HashingStream(raw, sum(_nbytes(w) for w in items))
             for wi in (w for w in items if w.type == WriteItemType.BYTE_IO):
                 data = cast(io.BytesIO, planner.resolve_data(wi))
                 off = out.tell()
@@ -233,10 +235,16 @@ class HashingWriter(FileSystemWriter):
             if self.sync_files:
                 os.fsync(raw.fileno())
         with _count_lock:  # files are written by several threads
-            self.digests[storage_key] = (out.hasher.hexdigest(), out.pos)
+            self.digests[storage_key] = out.hasher
             self.items_templated += templated
             self.items_saved += sum(w.type != WriteItemType.BYTE_IO for w in items) - templated
         return results
+
+
+def _nbytes(wi: WriteItem) -> int:
+    """A tensor item's data bytes, from its plan (byte items are small: 0)."""
+    td = wi.tensor_data
+    return 0 if td is None else math.prod(td.chunk.sizes) * td.properties.dtype.itemsize
 
 
 def _result(wi: WriteItem, storage_key: str, offset: int, length: int) -> WriteResult:

@@ -19,11 +19,11 @@ import hmac
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from ckptflow.trainer import layout
-from ckptflow.trainer.checksum import ALGORITHM
+from ckptflow.trainer.checksum import ALGORITHM, BLOCK_HEX
 from ckptflow.trainer.errors import ConfigError, IntegrityError, ManifestError, UnsafePathError
 
 FORMAT = "ckptflow.manifest"
@@ -37,6 +37,20 @@ MAX_MANIFEST_BYTES = 64 << 20  # a manifest larger than this is not ours: refuse
 class FileEntry:
     size: int
     checksum: str
+    block_size: int = 0
+    """With ``blocks``: the file's digest per ``block_size`` bytes (``checksum.BLOCK_ALGORITHM``,
+    ``BLOCK_HEX`` hex characters each, concatenated), so a load verifies it in parallel pieces.
+    0 and "": not recorded (manifests written before them; ``checksum`` alone is authoritative)."""
+    blocks: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"size": self.size, "checksum": self.checksum}
+        if self.block_size:
+            d |= {"block_size": self.block_size, "blocks": self.blocks}
+        return d
+
+    def block_digests(self) -> list[str]:
+        return [self.blocks[i : i + BLOCK_HEX] for i in range(0, len(self.blocks), BLOCK_HEX)]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -71,7 +85,7 @@ class Manifest:
             "created_at": self.created_at,
             "checksum_algorithm": self.checksum_algorithm,
             "total_bytes": self.total_bytes,
-            "files": {k: asdict(v) for k, v in sorted(self.files.items())},
+            "files": {k: v.to_dict() for k, v in sorted(self.files.items())},
             "training": self.training,
             "provenance": self.provenance,
             "sanity": self.sanity,
@@ -126,7 +140,7 @@ class Manifest:
                 size, checksum = entry["size"], entry["checksum"]
                 if not isinstance(size, int) or size < 0 or not isinstance(checksum, str):
                     raise ValueError(f"bad entry for {name!r}")
-                files[name] = FileEntry(size, checksum)
+                files[name] = FileEntry(size, checksum, *_blocks(name, size, entry))
             if d.get("checksum_algorithm") != ALGORITHM:
                 raise ValueError(f"checksum_algorithm {d.get('checksum_algorithm')!r}")
             known = {
@@ -169,6 +183,23 @@ class Manifest:
         if layout.DCP_METADATA not in m.files:
             raise ManifestError(f"{source}: manifest does not list DCP's {layout.DCP_METADATA}", path=source)
         return m
+
+
+def _blocks(name: str, size: int, entry: dict[str, Any]) -> tuple[int, str]:
+    """An entry's block digests, checked for shape: one per ``block_size`` bytes, hex."""
+    if "block_size" not in entry and "blocks" not in entry:
+        return 0, ""
+    bs, blocks = entry.get("block_size"), entry.get("blocks")
+    if (
+        not isinstance(bs, int)
+        or bs <= 0
+        or bs % 4096
+        or not isinstance(blocks, str)
+        or len(blocks) != -(-size // bs) * BLOCK_HEX
+        or blocks.strip("0123456789abcdef")
+    ):
+        raise ValueError(f"bad block digests for {name!r} (block_size {bs!r}, {len(str(blocks))} characters)")
+    return bs, blocks
 
 
 def signing_key() -> bytes | None:

@@ -7,30 +7,33 @@ stay standard DCP, vanilla PyTorch still reads them — differently:
 
 * ``.metadata``: read, its size and xxh3 checked against the manifest, then parsed by the
   restricted reader of ``trainer/dcpmeta.py`` (an allow-list of DCP's own classes);
-* data files: each file this rank's load plan needs is read once, in parallel threads,
-  hashed as its bytes stream in, and compared with the manifest *before* any of its bytes is
-  handed on: a file that does not match fails the load (DCP raises on every rank; resume
-  falls back to an older checkpoint, as for a bad checksum);
-* tensor items (each a ``torch.save`` zip): located in the zip without unpickling — the tiny
-  ``data.pkl`` that says dtype, offset, size and stride is read by a restricted reader
-  that only knows ``_rebuild_tensor_v2``, storage types and ``OrderedDict`` — and copied
-  straight from the read buffer into the destination tensor (a view, no intermediate
-  tensor); where the saved and wanted chunks differ (resharding) the view is narrowed first;
+* data files: mapped, and verified block by block against the block digests the manifest
+  records (``trainer/verifiedcopy.py``), on every core; each block's bytes are copied to their
+  destination tensors as soon as that block matched, while they are in cache — never before.
+  A block that does not match fails the load (DCP raises on every rank; resume falls back to an
+  older checkpoint, as for a bad checksum, and that load overwrites every destination). Files
+  listed without block digests (older manifests) are verified whole, then copied;
+* tensor items (each a ``torch.save`` zip): located in the zip without unpickling
+  (``trainer/tensoritem.py``), copied byte range by byte range where saved and wanted layouts
+  line up, else through a view narrowed to the wanted chunk (resharding);
 * byte items (plain Python values DCP keeps as ``torch.save`` pickles, such as an optimizer's
   learning rates): ``torch.load(weights_only=True)``, PyTorch's own restricted loader, with
   numpy's array rebuilders allowed for checkpoints written before state layout 2.
+
+At the saving world size the rank's own files are asked of the disk as soon as ``.metadata``
+is read, while DCP plans the load (``prefetch``).
 """
 
 from __future__ import annotations
 
+import functools
 import io
+import math
 import mmap
 import os
-import pickle
-import struct
+import queue
 import time
-from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -42,33 +45,60 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from ckptflow.trainer import layout, zipfmt
-from ckptflow.trainer.checksum import new_hasher
+from ckptflow.trainer import layout
 from ckptflow.trainer.dcpmeta import MAX_METADATA_BYTES, loads_dcp_metadata
 from ckptflow.trainer.errors import IntegrityError
-from ckptflow.trainer.manifest import Manifest
+from ckptflow.trainer.manifest import FileEntry, Manifest
+from ckptflow.trainer.tensoritem import tensor_item
+from ckptflow.trainer.verifiedcopy import (
+    READAHEAD,
+    Block,
+    Copy,
+    Pool,
+    Schedule,
+    blocks_of,
+    readahead,
+    runs,
+    verify,
+)
 from ckptflow.trainer.verify import resolve_member
-
-CHUNK = 8 << 20
 
 
 class VerifiedReader(FileSystemReader):
     """A ``StorageReader`` for one local checkpoint directory and its (authenticated) manifest."""
 
-    def __init__(self, path: str, manifest: Manifest, *, threads: int = 4) -> None:
+    def __init__(self, path: str, manifest: Manifest, *, threads: int = 4, prefetch: Iterable[str] = ()) -> None:
+        """``prefetch``: files this rank will most likely read (its own, when loading at the
+        saving world size): mapped by ``read_metadata``, their first window asked of the disk while
+        DCP plans the load. Call :meth:`close` when done."""
         super().__init__(path)
         self.ckpt_dir = os.fspath(path)
         self.manifest = manifest
         self.threads = max(1, threads)
         self._md: Metadata | None = None
+        self._prefetch = [n for n in prefetch if n in manifest.files]
+        self._pool: Pool | None = None
+        self._maps: dict[str, Any] = {}
+        self._verified: queue.SimpleQueue = queue.SimpleQueue()  # (block, error or None), one per block
         self.bytes_read = 0
         self.read_seconds = 0.0
+
+    def close(self) -> None:
+        """Stop the reader's threads; none touches a destination after this returns."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
     # -- StorageReader ------------------------------------------------------------------
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._md is None:
             data = bytes(self._read_whole(layout.DCP_METADATA, limit=MAX_METADATA_BYTES))
             self._md = loads_dcp_metadata(data, source=os.path.join(self.ckpt_dir, layout.DCP_METADATA))
+            for name in self._prefetch:
+                try:
+                    self._mapped(name)
+                except IntegrityError:
+                    pass  # read_data reports it, if the load reads that file at all
         return self._md
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -76,56 +106,151 @@ class VerifiedReader(FileSystemReader):
         per_file: dict[str, list[ReadItem]] = {}
         for req in plan.items:
             per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
-        names = sorted(per_file)
-        # Read and verify every file this rank needs before a single byte reaches a target.
-        with ThreadPoolExecutor(max_workers=min(self.threads, max(1, len(names)))) as ex:
-            bufs = dict(zip(names, ex.map(self._read_whole, names), strict=True))
-        self.bytes_read += sum(len(b) for b in bufs.values())
+        names = sorted(per_file, key=lambda n: -self._entry(n).size)
+        maps = {name: self._mapped(name) for name in names}
+        blocks = {name: blocks_of(name, self._entry(name), len(maps[name])) for name in names}
+        every = [b for name in names for b in blocks[name]]
+        try:
+            try:
+                copies, byte_items = self._locate(per_file, maps, planner)
+            except IntegrityError:
+                # A damaged file is reported as such, not as the parse it broke: verify, copy nothing.
+                for name in names:
+                    self._submit(maps[name], blocks[name], None)
+                for _ in self._results(every):
+                    pass
+                raise
+            sched = Schedule(copies, every, maps, self.threads)
+            # The threads verify block after block (xxhash releases the GIL) and copy each block's
+            # pieces right after it matched; this thread releases what spans several blocks.
+            for name in names:
+                self._submit(maps[name], blocks[name], sched)
+            pool = self._threads()
+            for b in self._results(every):
+                for task in sched.after(b):
+                    pool.submit(0, task)
+            pool.drain()
+        finally:
+            self.close()  # no thread touches a destination after this returns or raises
+        self.bytes_read += sum(len(m) for m in maps.values())
         self.read_seconds += time.perf_counter() - t0
-        copies: list[tuple[ReadItem, torch.Tensor, torch.Tensor]] = []
-        for name in names:
-            buf = memoryview(bufs[name])
-            for req in per_file[name]:
+        for req, data in byte_items:
+            planner.load_bytes(req, io.BytesIO(data))
+        for c in copies:
+            planner.commit_tensor(c.req, c.dst)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    # -- verifying ----------------------------------------------------------------------
+    def _threads(self) -> Pool:
+        if self._pool is None:
+            self._pool = Pool(self.threads)
+        return self._pool
+
+    def _submit(self, data: Any, blocks: list[Block], sched: Schedule | None) -> None:
+        for run in runs(blocks):
+            self._threads().submit(1, functools.partial(self._verify_run, data, run, sched))
+
+    def _verify_run(self, data: Any, run: list[Block], sched: Schedule | None) -> None:
+        """Verify consecutive blocks, copying each one's pieces right after it matched. Reports
+        every block, whatever happens, so read_data never waits forever."""
+        readahead(data, run[0].start + READAHEAD, run[-1].end - run[0].start)
+        path = os.path.join(self.ckpt_dir, run[0].name)
+        for b in run:
+            try:
+                err: BaseException | None = verify(data, b, path)
+                if err is None and sched is not None:
+                    sched.run_pieces(b)
+            except Exception as e:  # handed to read_data, which raises it
+                err = e
+            self._verified.put((b, err))
+
+    def _results(self, blocks: list[Block]) -> Iterator[Block]:
+        """``blocks`` as they match their digests (any order); raises the first error."""
+        for _ in blocks:
+            b, err = self._verified.get()
+            if err is not None:
+                raise err
+            yield b
+
+    # -- locating -----------------------------------------------------------------------
+    def _locate(
+        self, per_file: dict[str, list[ReadItem]], maps: dict[str, Any], planner: LoadPlanner
+    ) -> tuple[list[Copy], list[tuple[ReadItem, bytes]]]:
+        """Where each wanted item's bytes lie in its file and where they go (nothing read beyond the
+        items' small zip records), or the bytes themselves for byte items (copied once verified)."""
+        copies: list[Copy] = []
+        byte_items: list[tuple[ReadItem, bytes]] = []
+        for name, reqs in per_file.items():
+            buf = memoryview(maps[name]) if len(maps[name]) else memoryview(b"")
+            for req in reqs:
                 info = self.storage_data[req.storage_index]
                 if info.transform_descriptors:
                     raise IntegrityError(
                         f"{name}: item {req.storage_index.fqn} uses storage transforms "
                         f"{info.transform_descriptors}, which ckptflow's reader does not read"
                     )
-                item = buf[info.offset : info.offset + info.length]
                 source = f"{os.path.join(self.ckpt_dir, name)}@{info.offset}"
+                if info.offset < 0 or info.length < 0 or info.offset + info.length > len(buf):
+                    raise IntegrityError(f"{source}: the item runs past the end of the file", path=source)
+                item = buf[info.offset : info.offset + info.length]
                 if req.type == LoadItemType.BYTE_IO:
-                    planner.load_bytes(req, io.BytesIO(item.tobytes()))
+                    byte_items.append((req, item.tobytes()))
                     continue
-                tensor = narrow_tensor_by_index(tensor_view(item, source), req.storage_offsets, req.lengths)
+                ti = tensor_item(item, source)
                 target = planner.resolve_tensor(req).detach()
-                if target.size() != tensor.size():
+                if not any(req.storage_offsets) and tuple(req.lengths) == ti.size and ti.contiguous():
+                    src = None  # the common case: one run of bytes, no tensor built
+                    lo = info.offset + ti.data + ti.offset * ti.dtype.itemsize
+                    size = ti.size
+                    span = math.prod(size)
+                else:  # a strided or narrowed (resharding) source: a view of the mapped bytes
+                    src = narrow_tensor_by_index(ti.view(item, source), req.storage_offsets, req.lengths)
+                    lo = info.offset + ti.data + src.storage_offset() * ti.dtype.itemsize
+                    size = tuple(src.shape)
+                    span = sum((n - 1) * st for n, st in zip(size, src.stride(), strict=True)) + 1
+                if tuple(target.shape) != size:
                     raise IntegrityError(
-                        f"{source}: {req.storage_index.fqn} has size {tuple(tensor.size())} here, "
-                        f"the model wants {tuple(target.size())}",
+                        f"{source}: {req.storage_index.fqn} has size {size} here, the model wants "
+                        f"{tuple(target.shape)}",
                         path=source,
                     )
-                copies.append((req, tensor, target))
-        # The copies release the GIL: spread them over the threads (largest first).
-        copies.sort(key=lambda c: -c[1].numel() * c[1].element_size())
-        with ThreadPoolExecutor(max_workers=self.threads) as ex:
-            list(ex.map(lambda c: c[2].copy_(c[1]), copies))
-        for req, _, target in copies:
-            planner.commit_tensor(req, target)
-        fut: Future = Future()
-        fut.set_result(None)
-        return fut
+                hi = lo + span * ti.dtype.itemsize if math.prod(size) else lo
+                copies.append(Copy(req, target, name, lo, hi, ti.dtype, src))
+        return copies, byte_items
 
     # -- reading ------------------------------------------------------------------------
-    def _read_whole(self, name: str, limit: int | None = None) -> Any:
-        """The file's bytes — mapped, not copied: hashing and the tensor copies read the page cache
-        directly, and no fresh buffer is allocated and faulted in — refused unless they match."""
+    def _entry(self, name: str) -> FileEntry:
         entry = self.manifest.files.get(name)
         if entry is None:
             raise IntegrityError(
                 f"{self.ckpt_dir}: the load reads {name}, which the manifest does not list",
                 path=os.path.join(self.ckpt_dir, name),
             )
+        return entry
+
+    def _read_whole(self, name: str, limit: int | None = None) -> Any:
+        """The file's bytes, refused unless they match the manifest (its whole-file digest)."""
+        data = self._map(name, limit=limit)
+        if len(data):
+            err = verify(data, Block(name, 0, 0, len(data), self._entry(name).checksum, whole=True), self._path(name))
+            if err is not None:
+                raise err
+        return data
+
+    def _mapped(self, name: str) -> Any:
+        if name not in self._maps:
+            self._maps[name] = self._map(name)
+        return self._maps[name]
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.ckpt_dir, name)
+
+    def _map(self, name: str, limit: int | None = None) -> Any:
+        """The file's bytes — mapped, not copied: the digests and the copies read the page cache
+        directly, and no fresh buffer is allocated and faulted in — its size checked, not yet its digest."""
+        entry = self._entry(name)
         path = resolve_member(self.ckpt_dir, name)
         if limit is not None and entry.size > limit:
             raise IntegrityError(f"{path}: {entry.size} bytes, more than any such file holds", path=path)
@@ -139,26 +264,15 @@ class VerifiedReader(FileSystemReader):
                         path=path,
                     )
                 if size == 0:
-                    data: Any = bytearray()
-                else:
-                    # ACCESS_COPY: private and writable (torch.frombuffer wants that), copied only if written
-                    data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-                    if hasattr(mmap, "MADV_SEQUENTIAL"):
-                        data.madvise(mmap.MADV_SEQUENTIAL)
+                    return bytearray()
+                # ACCESS_COPY: private and writable (torch.frombuffer wants that), copied only if written
+                data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                if hasattr(mmap, "MADV_SEQUENTIAL"):
+                    data.madvise(mmap.MADV_SEQUENTIAL)
+                readahead(data, 0, READAHEAD)  # the first window; each run of blocks asks for the next
+                return data
         except FileNotFoundError:
             raise IntegrityError(f"{path}: missing", path=path) from None
-        h = new_hasher()
-        view = memoryview(data)
-        for i in range(0, size, CHUNK):
-            h.update(view[i : i + CHUNK])
-        view.release()
-        if h.hexdigest() != entry.checksum:
-            raise IntegrityError(
-                f"{path}: checksum {h.hexdigest()} != {entry.checksum} in the manifest (bytes "
-                "corrupted); not loading it",
-                path=path,
-            )
-        return data
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -187,96 +301,3 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
             self.state_dict[fqn] = obj
-
-
-# ---- tensor items: a torch.save zip, read without unpickling ------------------------------
-
-
-def _zip_entries(buf: memoryview) -> dict[str, tuple[int, int]]:
-    """Name -> (data offset, size) of every stored entry of a zip in ``buf``."""
-    return {name: (e.data, e.size) for name, e in zipfmt.entries(buf).items()}
-
-
-class _StorageType:
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
-
-
-_STORAGE_TYPES = {
-    f"{n}Storage": d
-    for n, d in (
-        ("Float", torch.float32),
-        ("Double", torch.float64),
-        ("Half", torch.float16),
-        ("BFloat16", torch.bfloat16),
-        ("Long", torch.int64),
-        ("Int", torch.int32),
-        ("Short", torch.int16),
-        ("Char", torch.int8),
-        ("Byte", torch.uint8),
-        ("Bool", torch.bool),
-        ("ComplexFloat", torch.complex64),
-        ("ComplexDouble", torch.complex128),
-    )
-}
-
-
-def _rebuild(storage: tuple, offset: int, size: tuple, stride: tuple, *_rest: Any) -> tuple:
-    return ("tensor", storage, offset, tuple(size), tuple(stride))
-
-
-class _TensorPickle(pickle.Unpickler):
-    """Reads a tensor's ``data.pkl`` into a description; can construct nothing but that."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return _rebuild
-        if (module, name) == ("collections", "OrderedDict"):
-            return OrderedDict
-        if module == "torch" and name in _STORAGE_TYPES:
-            return _StorageType(_STORAGE_TYPES[name])
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of a plain tensor")
-
-    def persistent_load(self, pid: Any) -> Any:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageType)):
-            raise pickle.UnpicklingError(f"unexpected storage reference {pid!r:.80}")
-        return ("storage", pid[1].dtype, str(pid[2]), int(pid[4]))
-
-
-def tensor_view(item: memoryview, source: str) -> torch.Tensor:
-    """The tensor a ``torch.save`` zip in ``item`` holds, as a view of ``item``'s bytes."""
-    try:
-        entries = _zip_entries(item)
-        pkl = next(n for n in entries if n.endswith("/data.pkl"))
-        prefix = pkl[: -len("data.pkl")]
-        off, n = entries[pkl]
-        desc = _TensorPickle(io.BytesIO(item[off : off + n].tobytes())).load()
-        kind, (_, dtype, key, numel), storage_offset, size, stride = desc
-        if kind != "tensor":
-            raise ValueError("not a tensor")
-        doff, dsize = entries[f"{prefix}data/{key}"]
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if dsize != numel * itemsize:
-            raise ValueError(f"storage holds {dsize} bytes, {numel} x {itemsize} expected")
-        flat = (
-            torch.frombuffer(item, dtype=torch.uint8, count=dsize, offset=doff)
-            if dsize
-            else torch.empty(0, dtype=torch.uint8)
-        )
-        storage = flat.view(dtype) if dsize else torch.empty(0, dtype=dtype)
-        return storage.as_strided(size, stride, storage_offset)
-    except (
-        ValueError,
-        KeyError,
-        StopIteration,
-        struct.error,
-        pickle.UnpicklingError,
-        RuntimeError,
-        UnicodeDecodeError,
-        IndexError,
-    ) as e:
-        raise IntegrityError(
-            f"{source}: not a plain tensor item ({type(e).__name__}: {e}); the checkpoint is "
-            "damaged or was not written by DCP",
-            path=source,
-        ) from None

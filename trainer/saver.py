@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
 from ckptflow.trainer import faults, layout
-from ckptflow.trainer.checksum import hash_file
+from ckptflow.trainer.checksum import digest_file
 from ckptflow.trainer.errors import SaveError
 from ckptflow.trainer.fastwrite import HashingWriter
 from ckptflow.trainer.manifest import FileEntry, Manifest
@@ -126,11 +126,10 @@ def _entry(writer: HashingWriter, name: str) -> FileEntry:
     """A file's manifest entry: the digest the writer computed as it wrote the file, else
     (``.metadata``; PROCESS mode, whose writer ran in DCP's daemon) one read of the file."""
     path = os.path.join(writer.path, name)
-    known = writer.digests.get(name)
-    if known is not None and os.stat(path).st_size == known[1]:
-        return FileEntry(known[1], known[0])
-    digest, size = hash_file(path)
-    return FileEntry(size, digest)
+    d = writer.digests.get(name)
+    if d is None or os.stat(path).st_size != d.size:
+        d = digest_file(path)
+    return FileEntry(d.size, d.hexdigest(), d.block, d.blocks())
 
 
 class _RecordingStager(DefaultStager):

@@ -10,6 +10,8 @@ from typing import NamedTuple
 EOCD = b"PK\x05\x06"
 CEN = b"PK\x01\x02"
 LOC = b"PK\x03\x04"
+_CEN = struct.Struct("<4s6H3I5HII")  # a central directory record's 46 fixed bytes
+_LOC = struct.Struct("<4s22xHH")  # a local header's signature and its name and extra lengths
 
 
 class Entry(NamedTuple):
@@ -24,11 +26,7 @@ class Entry(NamedTuple):
 
 def entries(buf: memoryview | bytes) -> dict[str, Entry]:
     """Every *stored* (uncompressed) entry of the zip in ``buf``, by name; ValueError if it is not one."""
-    tail = bytes(buf[max(0, len(buf) - 65557) :])
-    i = tail.rfind(EOCD)
-    if i < 0:
-        raise ValueError("no zip end record")
-    eocd = len(buf) - len(tail) + i
+    eocd = _end_record(buf)
     n_entries, cd_size, cd_off = struct.unpack_from("<HII", buf, eocd + 10)
     if cd_off == 0xFFFFFFFF or n_entries == 0xFFFF:  # ZIP64 end record, just before the locator
         loc = bytes(buf[eocd - 20 : eocd])
@@ -39,15 +37,15 @@ def entries(buf: memoryview | bytes) -> dict[str, Entry]:
     out: dict[str, Entry] = {}
     p = cd_off
     for _ in range(n_entries):
-        if bytes(buf[p : p + 4]) != CEN:
+        # one unpack per record: the reader parses every tensor item's zip
+        sig, _v, _n, _f, method, _t, _d, _crc, csize, usize, nlen, xlen, clen, _s, _i, _a, hoff = _CEN.unpack_from(
+            buf, p
+        )
+        if sig != CEN:
             raise ValueError("bad central directory entry")
-        (method,) = struct.unpack_from("<H", buf, p + 10)
-        csize, usize = struct.unpack_from("<II", buf, p + 20)
-        nlen, xlen, clen = struct.unpack_from("<HHH", buf, p + 28)
-        (hoff,) = struct.unpack_from("<I", buf, p + 42)
         name = bytes(buf[p + 46 : p + 46 + nlen]).decode()
-        extra = bytes(buf[p + 46 + nlen : p + 46 + nlen + xlen])
         if 0xFFFFFFFF in (csize, usize, hoff):
+            extra = bytes(buf[p + 46 + nlen : p + 46 + nlen + xlen])
             vals = _zip64_values(extra, usize == 0xFFFFFFFF, csize == 0xFFFFFFFF, hoff == 0xFFFFFFFF)
             usize, csize, hoff = (
                 vals.pop(0) if usize == 0xFFFFFFFF else usize,
@@ -58,14 +56,27 @@ def entries(buf: memoryview | bytes) -> dict[str, Entry]:
         p += 46 + nlen + xlen + clen
         if method != 0 or csize != usize:
             raise ValueError(f"{name} is compressed")
-        if bytes(buf[hoff : hoff + 4]) != LOC:
+        lsig, lnlen, lxlen = _LOC.unpack_from(buf, hoff)
+        if lsig != LOC:
             raise ValueError("bad local header")
-        lnlen, lxlen = struct.unpack_from("<HH", buf, hoff + 26)
         start = hoff + 30 + lnlen + lxlen
         if start + usize > len(buf):
             raise ValueError(f"{name} runs past the item")
         out[name] = Entry(start, usize, hoff, central)
     return out
+
+
+def _end_record(buf: memoryview | bytes) -> int:
+    """Offset of the end-of-central-directory record. ``torch.save`` writes no zip comment, so it
+    is the last 22 bytes: checked first, as the reader does this for every tensor item (copying
+    and scanning the 64 KiB a comment may take cost ~40 us an item)."""
+    if len(buf) >= 22 and bytes(buf[len(buf) - 22 : len(buf) - 18]) == EOCD:
+        return len(buf) - 22
+    tail = bytes(buf[max(0, len(buf) - 65557) :])
+    i = tail.rfind(EOCD)
+    if i < 0:
+        raise ValueError("no zip end record")
+    return len(buf) - len(tail) + i
 
 
 def _zip64_values(extra: bytes, *wanted: bool) -> list[int]:

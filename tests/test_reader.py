@@ -1,0 +1,219 @@
+"""The verified load (``trainer/reader.py``): block digests, copies as blocks match, fallbacks.
+
+One real process (world size 1, gloo) saves through ``CheckpointManager`` with small blocks
+(4 KiB, so a tiny model spans dozens), then loads into freshly initialised objects and compares
+every tensor bitwise: after a clean save, after a flipped byte in the middle of the newest
+checkpoint (the load fails on that block *after* copying the blocks before it, falls back, and the
+older checkpoint's load overwrites them all), with a manifest from before block digests, and with
+a block digest edited while the file's own checksum still matches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import textwrap
+
+import pytest
+
+from ckptflow.trainer.checksum import MAX_BLOCKS, MIN_BLOCK, FileDigest, block_digest, block_size_for
+from ckptflow.trainer.errors import ManifestError
+from ckptflow.trainer.manifest import FileEntry, Manifest
+from tests.helpers import PY, REPO, torchrun_env
+
+SCRIPT = textwrap.dedent("""
+    import json, os, shutil, sys
+    import torch
+    from ckptflow.trainer import checksum
+    checksum.MIN_BLOCK = 4096  # dozens of blocks for a tiny model
+    from ckptflow.trainer.checkpointer import CheckpointConfig, CheckpointManager, Provenance
+    from ckptflow.trainer.distenv import init_distributed
+
+    env = init_distributed()
+    root = os.environ["ROOT"]
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(64, 96)                                     # spans several blocks
+            self.t = torch.nn.Parameter(torch.randn(40, 24).t())                 # strided: saved as such
+            self.h = torch.nn.Parameter(torch.randn(33, dtype=torch.float64))    # odd size, another dtype
+            self.register_buffer("n", torch.arange(7, dtype=torch.int16))
+            self.register_buffer("s", torch.tensor(3.5))                         # 0-dim
+
+        def forward(self, x):
+            return self.a(x).sum() + (self.t * 2).sum() + self.h.sum()
+
+    def build(seed):
+        torch.manual_seed(seed)
+        m = M()
+        return m, torch.optim.Adam(m.parameters(), lr=0.01)
+
+    def snapshot(m, o):
+        sd = {k: v.detach().clone() for k, v in m.state_dict().items()}
+        for i, st in o.state_dict()["state"].items():
+            sd |= {f"opt.{i}.{k}": v.clone() for k, v in st.items() if torch.is_tensor(v)}
+        return sd
+
+    def manager(m, o, run="r"):
+        return CheckpointManager(
+            CheckpointConfig(root=root, run_id=run, interval=1, emit_events=False),
+            model=m, optimizer=o, provenance=Provenance(config={"a": 1}, data_fingerprint="d"), env=env)
+
+    def load_into(run="r"):
+        m, o = build(99)
+        o.zero_grad(); m(torch.ones(64)).backward(); o.step()  # Adam state to fill (values differ)
+        ck = manager(m, o, run)
+        step = ck.load()
+        ck.close()
+        return step, snapshot(m, o), ck.last_load
+
+    def same(a, b):
+        assert a.keys() == b.keys(), (sorted(a), sorted(b))
+        bad = [k for k in a if not (a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and torch.equal(a[k], b[k]))]
+        assert not bad, f"differ: {bad}"
+
+    m, o = build(0)
+    ck = manager(m, o)
+    snaps = {}
+    for step in (1, 2):
+        o.zero_grad(); m(torch.randn(64)).backward(); o.step()
+        snaps[step] = snapshot(m, o)
+        ck.save(step)
+    ck.close()
+    out = {}
+    run = os.path.join(root, "r")
+    d2 = os.path.join(run, "step_000000002")
+    data = os.path.join(d2, sorted(n for n in os.listdir(d2) if n.endswith(".distcp"))[0])
+    mf = json.load(open(os.path.join(d2, "manifest.json")))
+    e = mf["files"][os.path.basename(data)]
+    raw = open(data, "rb").read()
+    out["blocks"] = len(e["blocks"]) // 16
+    out["block_size"] = e["block_size"]
+    out["blocks_match"] = e["blocks"] == "".join(
+        checksum.block_digest(raw[i:i + 4096]) for i in range(0, len(raw), 4096))
+    assert not m.t.is_contiguous()
+
+    # 1. a clean load, into objects initialised otherwise
+    step, got, _ = load_into()
+    assert step == 2
+    same(got, snaps[2])
+
+    # 2. a flipped byte in the middle of the newest checkpoint: its load copies the blocks before
+    #    the bad one, fails on it, falls back; step 1's load then overwrites every destination
+    shutil.copytree(run, os.path.join(root, "flip"))
+    f2 = os.path.join(root, "flip", "step_000000002", os.path.basename(data))
+    from ckptflow.trainer.dcpmeta import read_dcp_metadata
+    where = next(v for k, v in read_dcp_metadata(d2).storage_data.items() if k.fqn == "model.a.weight")
+    assert where.relative_path == os.path.basename(data)
+    out["flip_block"] = (where.offset + where.length // 2) // 4096
+    with open(f2, "r+b") as f:
+        f.seek(where.offset + where.length // 2)  # inside the weight's data, past several blocks
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+    step, got, last = load_into("flip")
+    assert step == 1, step
+    same(got, snaps[1])
+    out["flip_reason"] = " ".join(w for _, w in last.skipped)
+
+    # 3. a manifest written before block digests: the file is verified whole, then copied
+    shutil.copytree(run, os.path.join(root, "old"))
+    p = os.path.join(root, "old", "step_000000002", "manifest.json")
+    old = json.load(open(p))
+    for v in old["files"].values():
+        v.pop("block_size"); v.pop("blocks")
+    open(p, "w").write(json.dumps(old))
+    step, got, _ = load_into("old")
+    assert step == 2
+    same(got, snaps[2])
+
+    # 4. a block digest edited, the file's own checksum intact: the blocks are what the load trusts
+    shutil.copytree(run, os.path.join(root, "edit"))
+    p = os.path.join(root, "edit", "step_000000002", "manifest.json")
+    ed = json.load(open(p))
+    fe = ed["files"][os.path.basename(data)]
+    k = 3 * 16
+    fe["blocks"] = fe["blocks"][:k] + ("0" if fe["blocks"][k] != "0" else "1") + fe["blocks"][k + 1:]
+    open(p, "w").write(json.dumps(ed))
+    step, got, last = load_into("edit")
+    assert step == 1, step
+    same(got, snaps[1])
+    out["edit_reason"] = " ".join(w for _, w in last.skipped)
+    print("RESULT " + json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reader")
+    r = subprocess.run(
+        [PY, "-c", SCRIPT], cwd=REPO, env=torchrun_env({"ROOT": str(root)}), capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    line = next(x for x in r.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT ") :])
+
+
+def test_block_digests_are_recorded_as_the_files_are_written(result):
+    assert result["block_size"] == 4096 and result["blocks"] > 10
+    assert result["blocks_match"]
+
+
+def test_a_flipped_byte_fails_its_block_and_the_fallback_overwrites_what_was_copied(result):
+    # The byte sits inside a weight's data: the blocks before it matched and were copied first.
+    assert result["flip_block"] > 1
+    assert f"(block {result['flip_block']})" in result["flip_reason"] and "checksum" in result["flip_reason"]
+    assert "FrameSummary" not in result["flip_reason"]  # the rank's own error, not DCP's wrapping
+
+
+def test_an_edited_block_digest_is_refused_though_the_file_checksum_matches(result):
+    assert "block 3" in result["edit_reason"]
+
+
+def test_file_digest_splits_any_writes_at_block_boundaries():
+    data = os.urandom(10_000)
+    d = FileDigest(block=4096)
+    for i in range(0, len(data), 777):
+        d.update(data[i : i + 777])
+    assert d.size == len(data)
+    assert d.blocks() == "".join(block_digest(data[i : i + 4096]) for i in range(0, len(data), 4096))
+    exact = FileDigest(block=4096)
+    exact.update(data[:8192])
+    assert len(exact.blocks()) == 2 * 16  # no empty block after a boundary
+
+
+def test_block_size_bounds_the_manifest():
+    assert block_size_for(0) == MIN_BLOCK
+    assert block_size_for(MIN_BLOCK * MAX_BLOCKS) == MIN_BLOCK
+    for n in (MIN_BLOCK * MAX_BLOCKS + 1, 3 << 30, 40 << 30):
+        b = block_size_for(n)
+        assert -(-n // b) <= MAX_BLOCKS and b & (b - 1) == 0
+
+
+def _manifest(entry: dict) -> bytes:
+    m = Manifest(
+        run_id="r", step=1, world_size=1, files={".metadata": FileEntry(3, "aa"), "__0_0.distcp": FileEntry(1, "bb")}
+    )
+    d = json.loads(m.to_json(key=b""))
+    d["files"]["__0_0.distcp"] = entry
+    return json.dumps(d).encode()
+
+
+def test_manifest_block_digests_round_trip_and_malformed_ones_are_refused():
+    good = {"size": 5000, "checksum": "cc", "block_size": 4096, "blocks": "0123456789abcdef" * 2}
+    m = Manifest.from_json(_manifest(good), source="m", key=b"")
+    e = m.files["__0_0.distcp"]
+    assert e.block_digests() == ["0123456789abcdef"] * 2
+    assert json.loads(m.to_json(key=b""))["files"]["__0_0.distcp"] == good
+    assert "block_size" not in json.loads(m.to_json(key=b""))["files"][".metadata"]  # none recorded: none written
+    for bad in (
+        good | {"blocks": "0123456789abcdef"},  # one digest short
+        good | {"blocks": "0123456789abcdeg" * 2},  # not hex
+        good | {"block_size": 1000},  # not a page multiple
+        good | {"block_size": 0},
+        {"size": 5000, "checksum": "cc", "blocks": "0123456789abcdef" * 2},  # no block size
+    ):
+        with pytest.raises(ManifestError, match="block digests"):
+            Manifest.from_json(_manifest(bad), source="m", key=b"")

@@ -1,0 +1,271 @@
+"""Copying a mapped checkpoint file into live tensors, each byte only once its digest matched.
+
+The reader (``trainer/reader.py``) hands this module two things: the file's *blocks* (byte
+ranges with the digests the manifest records for them) and the *copies* (which bytes of the
+file go to which destination tensor). A pool of threads then verifies block after block, and
+as soon as a block matched copies its bytes to their destinations while they are still in
+cache. A destination never receives a byte whose block has not matched; a block that does
+not match stops the load (the copies already made came from blocks that did match).
+
+Files whose manifest entry predates block digests are one block: the whole file under its
+``checksum`` digest, copied once it matched.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import itertools
+import mmap
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.planner import ReadItem
+
+from ckptflow.trainer.checksum import CHUNK, block_digest, new_hasher
+from ckptflow.trainer.errors import IntegrityError
+from ckptflow.trainer.manifest import FileEntry
+
+READAHEAD = 64 << 20
+"""How far ahead of the digests a cold file is asked for (``MADV_WILLNEED``): it then streams
+from disk while the digests and copies run, instead of one page fault at a time."""
+TASK_BYTES = 8 << 20
+"""Blocks are verified in runs of about this many bytes per task (a task costs ~20 us)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    name: str
+    index: int
+    start: int
+    end: int
+    digest: str
+    whole: bool = False
+    """The whole file under its ``checksum.ALGORITHM`` digest (no block digests recorded)."""
+
+
+def blocks_of(name: str, entry: FileEntry, size: int) -> list[Block]:
+    """What is verified of a file, piece by piece: its blocks where the manifest records their
+    digests, else the whole file as one piece."""
+    if not size:
+        return []
+    if not entry.block_size:
+        return [Block(name, 0, 0, size, entry.checksum, whole=True)]
+    starts = range(0, size, entry.block_size)
+    return [
+        Block(name, k, a, min(a + entry.block_size, size), d)
+        for k, (a, d) in enumerate(zip(starts, entry.block_digests(), strict=True))
+    ]
+
+
+def runs(blocks: list[Block]) -> list[list[Block]]:
+    """Consecutive blocks in runs of about ``TASK_BYTES`` (one task each)."""
+    out: list[list[Block]] = []
+    n = 0
+    for b in blocks:
+        if not out or n >= TASK_BYTES or b.whole:
+            out.append([])
+            n = 0
+        out[-1].append(b)
+        n += b.end - b.start
+    return out
+
+
+def verify(data: Any, b: Block, path: str) -> IntegrityError | None:
+    """None if the block's bytes in ``data`` (the mapped file) have their digest, else the error
+    (returned, so the pool's threads never raise)."""
+    view = memoryview(data)
+    try:
+        if b.whole:
+            h = new_hasher()
+            for i in range(b.start, b.end, CHUNK):
+                if i % READAHEAD == 0:
+                    readahead(data, i + READAHEAD, READAHEAD)
+                h.update(view[i : min(i + CHUNK, b.end)])
+            got = h.hexdigest()
+        else:
+            got = block_digest(view[b.start : b.end])
+    finally:
+        view.release()
+    if got == b.digest:
+        return None
+    where = "" if b.whole else f" in bytes {b.start}-{b.end} (block {b.index})"
+    return IntegrityError(
+        f"{path}: checksum {got} != {b.digest} in the manifest{where} (bytes corrupted); not loading it",
+        path=path,
+    )
+
+
+def readahead(data: Any, start: int, length: int) -> None:
+    """Ask the kernel to read ``[start, start + length)`` of a mapped file in the background."""
+    if hasattr(data, "madvise") and hasattr(mmap, "MADV_WILLNEED") and 0 <= start < len(data):
+        start -= start % mmap.PAGESIZE
+        data.madvise(mmap.MADV_WILLNEED, start, min(length, len(data) - start))
+
+
+@dataclass(slots=True)
+class Copy:
+    """One tensor item: bytes ``[lo, hi)`` of file ``name`` go to ``dst``. ``src``: the view to
+    copy where they are not one contiguous run in ``dst``'s layout (else built only if needed)."""
+
+    req: ReadItem
+    dst: torch.Tensor
+    name: str
+    lo: int
+    hi: int
+    dtype: torch.dtype
+    src: torch.Tensor | None
+
+    @property
+    def nbytes(self) -> int:
+        return self.hi - self.lo
+
+    def source(self, data: Any) -> torch.Tensor:
+        """The bytes as a tensor of the item's dtype and the destination's shape (no copy). Made
+        at its own offset: an item may start at any byte of a DCP file, too odd for a typed view."""
+        if self.src is not None:
+            return self.src
+        flat = torch.frombuffer(data, dtype=torch.uint8, count=self.nbytes, offset=self.lo)
+        return flat.view(self.dtype).view(self.dst.shape)
+
+
+class Schedule:
+    """Which copies may run once a given block has matched its digest.
+
+    A copy of one contiguous run of bytes into a contiguous destination of the same dtype is
+    split at the block boundaries into pieces, each run as soon as its own block has matched
+    (``run_pieces``, by whichever thread verified it). Any other copy (a resharding narrow with
+    strides, a dtype cast) runs whole once every block its source spans has matched, and a file
+    verified whole releases all its copies at once, in ``threads`` batches of about equal bytes
+    (``after``, called on one thread only)."""
+
+    def __init__(self, copies: list[Copy], blocks: list[Block], maps: dict[str, Any], threads: int) -> None:
+        self.threads = threads
+        self.maps = maps
+        self.pieces: dict[tuple[str, int], list[tuple[Any, Any, int]]] = {}
+        self.waits: dict[tuple[str, int], list[list[Any]]] = {}  # block -> [[blocks left, task]]
+        self.whole: dict[str, list[Copy]] = {}
+        geometry = {b.name: (b.whole, b.end - b.start) for b in blocks if b.index == 0}
+        bases = {n: torch.frombuffer(maps[n], dtype=torch.uint8) for n in geometry}
+        for c in copies:
+            if c.hi <= c.lo:
+                continue
+            whole, bs = geometry[c.name]
+            if whole:
+                self.whole.setdefault(c.name, []).append(c)
+                continue
+            ks = range(c.lo // bs, (c.hi - 1) // bs + 1)
+            if c.src is None and c.dst.is_contiguous() and c.dst.dtype == c.dtype:
+                base = bases[c.name]
+                host = c.dst.device.type == "cpu"
+                flat = None if host else c.dst.reshape(-1).view(torch.uint8)
+                for k in ks:
+                    a, b = max(c.lo, k * bs), min(c.hi, (k + 1) * bs)
+                    self.pieces.setdefault((c.name, k), []).append(
+                        # host memory: a plain memmove (releases the GIL; no tensor views to make)
+                        (c.dst.data_ptr() + a - c.lo, base.data_ptr() + a, b - a)
+                        if flat is None
+                        else (flat[a - c.lo : b - c.lo], base[a:b], 0)
+                    )
+            else:
+                wait = [len(ks), functools.partial(c.dst.copy_, c.source(maps[c.name]))]
+                for k in ks:
+                    self.waits.setdefault((c.name, k), []).append(wait)
+
+    def run_pieces(self, b: Block) -> None:
+        """Copy the pieces that lie in block ``b`` (call once, after ``b`` matched)."""
+        for dst, src, n in self.pieces.get((b.name, b.index), ()):
+            if n:
+                ctypes.memmove(dst, src, n)
+            else:
+                dst.copy_(src)
+
+    def after(self, b: Block) -> list[Callable[[], Any]]:
+        """The other copies block ``b``'s match makes runnable (one thread calls this)."""
+        if b.whole:
+            data = self.maps[b.name]
+            batches = balanced(self.whole.pop(b.name, []), self.threads)
+            return [functools.partial(_copy_batch, batch, data) for batch in batches]
+        tasks = []
+        for wait in self.waits.pop((b.name, b.index), []):
+            wait[0] -= 1
+            if wait[0] == 0:
+                tasks.append(wait[1])
+        return tasks
+
+
+def _copy_batch(batch: list[Copy], data: Any) -> None:
+    for c in batch:
+        c.dst.copy_(c.source(data))
+
+
+def balanced(copies: list[Copy], n: int) -> list[list[Copy]]:
+    """``copies`` in ``n`` batches of about equal bytes (largest first, each to the lightest batch)."""
+    batches: list[list[Copy]] = [[] for _ in range(n)]
+    load = [0] * n
+    for c in sorted(copies, key=lambda c: -c.nbytes):
+        i = load.index(min(load))
+        batches[i].append(c)
+        load[i] += c.nbytes
+    return [b for b in batches if b]
+
+
+class Pool:
+    """``n`` threads running tasks by priority (0 first: copies before further digests, so a
+    block is copied while it is still in cache). ``drain`` waits for every task and raises the
+    first error; ``close`` stops the threads, skipping whatever is still queued, and returns
+    only when none runs."""
+
+    def __init__(self, n: int) -> None:
+        self._q: queue.PriorityQueue = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._stop = threading.Event()
+        self._pending = 0
+        self._cv = threading.Condition()
+        self._error: BaseException | None = None
+        self._threads = [threading.Thread(target=self._run, name=f"ckptflow-load-{i}", daemon=True) for i in range(n)]
+        for t in self._threads:
+            t.start()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    def submit(self, prio: int, fn: Callable[[], Any]) -> None:
+        with self._cv:
+            self._pending += 1
+        self._q.put((prio, next(self._seq), fn))
+
+    def _run(self) -> None:
+        while True:
+            _, _, fn = self._q.get()
+            if fn is None:
+                return
+            try:
+                if not self._stop.is_set():
+                    fn()
+            except BaseException as e:  # handed to drain(), which re-raises it on the caller's thread
+                self._stop.set()
+                with self._cv:
+                    self._error = self._error or e
+            finally:
+                with self._cv:
+                    self._pending -= 1
+                    self._cv.notify_all()
+
+    def drain(self) -> None:
+        with self._cv:
+            self._cv.wait_for(lambda: self._pending == 0)
+        if self._error is not None:
+            raise self._error
+
+    def close(self) -> None:
+        self._stop.set()
+        for _ in self._threads:
+            self._q.put((9, next(self._seq), None))
+        for t in self._threads:
+            t.join()
