@@ -20,8 +20,10 @@ stay standard DCP, vanilla PyTorch still reads them — differently:
   learning rates): ``torch.load(weights_only=True)``, PyTorch's own restricted loader, with
   numpy's array rebuilders allowed for checkpoints written before state layout 2.
 
-At the saving world size the rank's own files are asked of the disk as soon as ``.metadata``
-is read, while DCP plans the load (``prefetch``).
+Cold files: each is read front to back by a streaming thread (``verifiedcopy.Streamer``) so
+the disk sees one sequential stream, and the pages holding every item's zip records are asked
+for all at once before the items are located. At the saving world size both start for the
+rank's own files as soon as ``.metadata`` is read, while DCP plans the load (``prefetch``).
 """
 
 from __future__ import annotations
@@ -56,12 +58,15 @@ from ckptflow.trainer.verifiedcopy import (
     Copy,
     Pool,
     Schedule,
+    Streamer,
     blocks_of,
     readahead,
     runs,
     verify,
 )
 from ckptflow.trainer.verify import resolve_member
+
+RECORD_PAGE = 8192  # the zip records of a tensor item lie in its first and last few KiB
 
 
 class VerifiedReader(FileSystemReader):
@@ -79,6 +84,7 @@ class VerifiedReader(FileSystemReader):
         self._prefetch = [n for n in prefetch if n in manifest.files]
         self._pool: Pool | None = None
         self._maps: dict[str, Any] = {}
+        self._streams: list[Streamer] = []
         self._verified: queue.SimpleQueue = queue.SimpleQueue()  # (block, error or None), one per block
         self.bytes_read = 0
         self.read_seconds = 0.0
@@ -88,6 +94,9 @@ class VerifiedReader(FileSystemReader):
         if self._pool is not None:
             self._pool.close()
             self._pool = None
+        for st in self._streams:
+            st.stop()
+        self._streams.clear()
 
     # -- StorageReader ------------------------------------------------------------------
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -99,7 +108,20 @@ class VerifiedReader(FileSystemReader):
                     self._mapped(name)
                 except IntegrityError:
                     pass  # read_data reports it, if the load reads that file at all
+            self._ask_for_records(self._prefetch)
         return self._md
+
+    def _ask_for_records(self, names: Iterable[str]) -> None:
+        """Ask the disk for the pages holding each item's zip records (its first and last page),
+        all at once: locating the items then reads no cold page one fault at a time (a cold
+        medium load spent ~0.45 s there), and the items' data streams behind them."""
+        assert self._md is not None
+        wanted = {n for n in names if n in self._maps}
+        for info in self._md.storage_data.values():
+            if info.relative_path in wanted:
+                data = self._maps[info.relative_path]
+                readahead(data, info.offset, RECORD_PAGE)
+                readahead(data, info.offset + info.length - RECORD_PAGE, RECORD_PAGE)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         t0 = time.perf_counter()
@@ -108,6 +130,7 @@ class VerifiedReader(FileSystemReader):
             per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
         names = sorted(per_file, key=lambda n: -self._entry(n).size)
         maps = {name: self._mapped(name) for name in names}
+        self._ask_for_records(set(names) - set(self._prefetch))
         blocks = {name: blocks_of(name, self._entry(name), len(maps[name])) for name in names}
         every = [b for name in names for b in blocks[name]]
         try:
@@ -242,6 +265,8 @@ class VerifiedReader(FileSystemReader):
     def _mapped(self, name: str) -> Any:
         if name not in self._maps:
             self._maps[name] = self._map(name)
+            if len(self._maps[name]):  # a cold file streams from disk in order (a warm one: skipped)
+                self._streams.append(Streamer(self._path(name), len(self._maps[name])))
         return self._maps[name]
 
     def _path(self, name: str) -> str:

@@ -17,6 +17,7 @@ import ctypes
 import functools
 import itertools
 import mmap
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -30,9 +31,10 @@ from ckptflow.trainer.checksum import CHUNK, block_digest, new_hasher
 from ckptflow.trainer.errors import IntegrityError
 from ckptflow.trainer.manifest import FileEntry
 
-READAHEAD = 64 << 20
+READAHEAD = 256 << 20
 """How far ahead of the digests a cold file is asked for (``MADV_WILLNEED``): it then streams
-from disk while the digests and copies run, instead of one page fault at a time."""
+from disk while DCP plans and the digests and copies run, instead of one page fault at a time
+(cold medium loads: 0.78x a raw read with 256 MiB, 0.74x with 64 MiB, the same without)."""
 TASK_BYTES = 8 << 20
 """Blocks are verified in runs of about this many bytes per task (a task costs ~20 us)."""
 
@@ -269,3 +271,42 @@ class Pool:
             self._q.put((9, next(self._seq), None))
         for t in self._threads:
             t.join()
+
+
+class Streamer:
+    """Reads a cold file front to back with plain reads into a small scratch buffer, so the
+    kernel's sequential readahead streams it at disk speed, ahead of the pool's threads (which
+    fault pages at several places at once: on their own they read it at 0.7-0.8x a raw read).
+    Skips what is in the page cache already (an ``RWF_NOWAIT`` probe of each chunk's first
+    page), so a warm file costs one system call per chunk."""
+
+    def __init__(self, path: str, size: int) -> None:
+        self._path, self._size = path, size
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ckptflow-stream", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            fd = os.open(self._path, os.O_RDONLY)
+        except OSError:
+            return  # the load reports it
+        try:
+            buf = memoryview(bytearray(CHUNK))
+            off = 0
+            while off < self._size and not self._stop.is_set():
+                try:
+                    resident = os.preadv(fd, [buf[:4096]], off, os.RWF_NOWAIT) > 0
+                except (BlockingIOError, OSError):
+                    resident = False
+                if not resident and not os.preadv(fd, [buf], off):
+                    return
+                off += CHUNK
+        except OSError:
+            return  # only a hint: the load reads the file itself
+        finally:
+            os.close(fd)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
