@@ -15,7 +15,8 @@ tensor of a given layout (dtype, shape, stride, offset, storage size) is saved, 
 writes it once into memory under ``torch.serialization.skip_data()`` (thread-local: the data
 is left as a gap), and the bytes before and after the gap become that layout's template.
 Every later save writes the template's head, the data straight from the tensor's memory and
-the template's tail, with the CRC-32 computed by zlib (2-3.5 GB/s here) and patched in. The
+the template's tail, with the CRC-32 computed by ISA-L (``isal``, ~8 GB/s here; zlib's ~2 GB/s
+where it is missing) and patched in. The
 result is ``torch.save``'s own container, a valid zip (every CRC right), read by vanilla
 ``torch.load``, ``dcp.load`` and ``dcp_to_torch_save``; byte for byte it differs from what
 ``torch.save`` would write only in the serialization id, which is that of the layout's first
@@ -50,6 +51,12 @@ from torch.futures import Future
 
 from ckptflow.trainer import zipfmt
 from ckptflow.trainer.checksum import FileDigest, block_size_for
+
+try:  # the same CRC-32 as zlib's, with carry-less multiplication: ~4x faster here
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # pragma: no cover - a platform without isal's wheels
+    _crc32 = zlib.crc32
+
 
 DATA_RECORD = "archive/data/0"
 """A lone tensor's one storage, as ``torch.save`` names it in a stream."""
@@ -176,7 +183,7 @@ def write_tensor(out: HashingStream, t: torch.Tensor, *, crc32: bool = True) -> 
         torch.save(t, cast(IO[bytes], out))  # it only calls write/flush/tell
         return False
     data = storage_bytes(t)
-    crc = zlib.crc32(data) if crc32 else 0
+    crc = _crc32(data) if crc32 else 0
     pre, suf = bytearray(tpl.prefix), bytearray(tpl.suffix)
     for at in tpl.crc_in_prefix:
         struct.pack_into("<I", pre, at, crc)
