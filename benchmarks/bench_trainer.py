@@ -73,11 +73,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--e2e-every", type=int, help="save interval of the end-to-end job (default 100; quick 50)")
     p.add_argument("--e2e-warmup", type=int, default=10, help="first steps left out of the end-to-end window")
     p.add_argument("--skip-e2e", action="store_true")
+    p.add_argument("--e2e-only", action="store_true", help="only the end-to-end jobs (no worker measurements)")
     p.add_argument(
         "--e2e-probes",
         default="live,background,next-step",
         help="sanity references of the saving end-to-end jobs besides the default live probe: a comma list of "
         "background, next-step (each one more job)",
+    )
+    p.add_argument(
+        "--e2e-priorities",
+        default="",
+        help="background priorities (trainer/priority.py) to run the next-step job with besides the default: "
+        "a comma list of normal, low, idle (each one more job)",
     )
     return p.parse_args(argv)
 
@@ -175,6 +182,15 @@ def run_e2e(a: argparse.Namespace, workdir: str) -> dict[str, Any]:
         # The same saves with the loss of the step after each save as the sanity reference
         # (SanitySpec.reference="next_step"): no probe forward pass at all.
         jobs.append(("save_next_step", ["--run-id", "savens", "--save-every", str(every), "--probe", "next-step"]))
+    for prio in filter(None, a.e2e_priorities.split(",")):
+        # The next-step job again, its persist and commit threads at another CPU priority.
+        jobs.append(
+            (
+                f"save_next_step_{prio}",
+                ["--run-id", f"savens{prio}", "--save-every", str(every), "--probe", "next-step"]
+                + ["--background-priority", prio],
+            )
+        )
     for name, extra in jobs:
         load_before = os.getloadavg()[0]
         wall = torchrun(
@@ -370,7 +386,9 @@ def summarize_e2e(e: dict[str, Any]) -> dict[str, Any]:
         return [sum(d[j] - base for j in range(s + 1, s + 1 + AFTER_SAVE_STEPS)) for s in save_steps]
 
     ex, ctrl = excess("save"), excess("no_save")
-    for run, key in (("save_background_probe", "background_probe"), ("save_next_step", "next_step")):
+    others = [("save_background_probe", "background_probe"), ("save_next_step", "next_step")]
+    others += [(run, run[len("save_") :]) for run in durs if run.startswith("save_next_step_")]
+    for run, key in others:
         if run in durs:
             other = excess(run)
             out[f"excess_per_save_{key}_s"] = other
@@ -523,51 +541,60 @@ def print_report(s: dict[str, Any], e: dict[str, Any] | None, meta: dict[str, An
         "a host-side cache below the VM is not visible)"
     )
     if e is not None:
-        p(
-            f"\nEnd to end: trainer.train --model {e['model']}, {e['steps']} steps after {e['warmup']} warm-up, "
-            f"save every {e['every']} vs --no-save"
-        )
-        p(
-            f"  steps/s: no save {e['no_save_steps_per_s']:.3f}, with saves {e['save_steps_per_s']:.3f} "
-            f"({e['saves_in_window']} saves in the window)"
-        )
-        p(
-            f"  median step: no save {fmt_s(e['no_save_median_step_s'])}, with saves "
-            f"{fmt_s(e['save_median_step_s'])} (differ => the machine changed between the runs); load average "
-            f"{e['no_save_load_avg'][0]:.1f}->{e['no_save_load_avg'][1]:.1f} and "
-            f"{e['save_load_avg'][0]:.1f}->{e['save_load_avg'][1]:.1f}"
-        )
-        verdict = (
-            "NOT COMPARABLE: the median steps differ"
-            if not e["comparable"]
-            else mark(e["overhead_cross_run"] <= TARGETS["e2e_overhead"])
-        )
-        p(
-            f"  overhead, cross-run:      {e['overhead_cross_run'] * 100:+6.2f} %  (target <= 0.5 %: {verdict}; "
-            "includes the run-to-run noise)"
-        )
-        p(
-            f"  overhead, within the run: {e['overhead_within_run'] * 100:+6.2f} %  of a {e['every']}-step interval "
-            f"({fmt_s(e['interval_s'])}; target: {mark(e['overhead_within_run'] <= TARGETS['e2e_overhead'])}); "
-            f"excess per save {', '.join(fmt_s(x) for x in e['excess_per_save_s'])}"
-        )
-        p(f"  noise control:            {e['overhead_control'] * 100:+6.2f} %  (same steps of the no-save run)")
-        for key, what in (
-            ("background_probe", "probe in the background"),
-            ("next_step", "next-step loss as reference"),
-        ):
-            if f"overhead_within_run_{key}" in e:
-                p(
-                    f"  {what} instead: {e[f'overhead_within_run_{key}'] * 100:+6.2f} % within the run; excess "
-                    f"per save {', '.join(fmt_s(x) for x in e[f'excess_per_save_{key}_s'])}"
-                )
-        if "predicted" in e:
-            pr = e["predicted"]
+        print_e2e(e)
+
+
+def print_e2e(e: dict[str, Any]) -> None:
+    p = print
+    p(
+        f"\nEnd to end: trainer.train --model {e['model']}, {e['steps']} steps after {e['warmup']} warm-up, "
+        f"save every {e['every']} vs --no-save"
+    )
+    p(
+        f"  steps/s: no save {e['no_save_steps_per_s']:.3f}, with saves {e['save_steps_per_s']:.3f} "
+        f"({e['saves_in_window']} saves in the window)"
+    )
+    p(
+        f"  median step: no save {fmt_s(e['no_save_median_step_s'])}, with saves "
+        f"{fmt_s(e['save_median_step_s'])} (differ => the machine changed between the runs); load average "
+        f"{e['no_save_load_avg'][0]:.1f}->{e['no_save_load_avg'][1]:.1f} and "
+        f"{e['save_load_avg'][0]:.1f}->{e['save_load_avg'][1]:.1f}"
+    )
+    verdict = (
+        "NOT COMPARABLE: the median steps differ"
+        if not e["comparable"]
+        else mark(e["overhead_cross_run"] <= TARGETS["e2e_overhead"])
+    )
+    p(
+        f"  overhead, cross-run:      {e['overhead_cross_run'] * 100:+6.2f} %  (target <= 0.5 %: {verdict}; "
+        "includes the run-to-run noise)"
+    )
+    p(
+        f"  overhead, within the run: {e['overhead_within_run'] * 100:+6.2f} %  of a {e['every']}-step interval "
+        f"({fmt_s(e['interval_s'])}; target: {mark(e['overhead_within_run'] <= TARGETS['e2e_overhead'])}); "
+        f"excess per save {', '.join(fmt_s(x) for x in e['excess_per_save_s'])}"
+    )
+    p(f"  noise control:            {e['overhead_control'] * 100:+6.2f} %  (same steps of the no-save run)")
+    for key, what in [
+        ("background_probe", "probe in the background"),
+        ("next_step", "next-step loss as reference"),
+    ] + [
+        (k[len("overhead_within_run_") :], "next-step, background priority " + k.rsplit("_", 1)[1])
+        for k in e
+        if k.startswith("overhead_within_run_next_step_")
+    ]:
+        if f"overhead_within_run_{key}" in e:
             p(
-                f"  from the worker's parts:  {pr['overhead'] * 100:+6.2f} %  (async_staging: save() call + staging "
-                f"wait + step excess = {fmt_s(pr['per_save_s'])} per save; of it the probe forward and "
-                f"state dict {pr['manager_share'] * 100:.2f} %)"
+                f"  {what} instead: {e[f'overhead_within_run_{key}'] * 100:+6.2f} % within the run; excess "
+                f"per save {', '.join(fmt_s(x) for x in e[f'excess_per_save_{key}_s'])}"
             )
+    if "predicted" in e:
+        pr = e["predicted"]
+        p(
+            f"  from the worker's parts:  {pr['overhead'] * 100:+6.2f} %  (async_staging: save() call + staging "
+            f"wait + step excess = {fmt_s(pr['per_save_s'])} per save; of it the probe forward and "
+            f"state dict {pr['manager_share'] * 100:.2f} %)"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -594,19 +621,23 @@ def main(argv: list[str] | None = None) -> int:
         pass
     t0 = time.perf_counter()
     try:
-        print(f"worker: model {a.model}, 2 ranks ... (log {workdir}/worker.log)", file=sys.stderr, flush=True)
-        worker = run_worker(a, workdir)
-        summary = summarize_worker(worker)
-        e2e_raw = e2e = None
+        worker = summary = e2e_raw = e2e = None
+        if not a.e2e_only:
+            print(f"worker: model {a.model}, 2 ranks ... (log {workdir}/worker.log)", file=sys.stderr, flush=True)
+            worker = run_worker(a, workdir)
+            summary = summarize_worker(worker)
         if not a.skip_e2e:
             print("end to end: two trainer.train jobs ...", file=sys.stderr, flush=True)
             e2e_raw = run_e2e(a, workdir)
             e2e = summarize_e2e(e2e_raw)
-            if "async_staging" in summary["modes"]:
+            if summary is not None and "async_staging" in summary["modes"]:
                 e2e["predicted"] = predicted_overhead(summary, e2e)
         meta["load_avg_end"] = os.getloadavg()
         meta["total_s"] = time.perf_counter() - t0
-        print_report(summary, e2e, meta)
+        if summary is not None:
+            print_report(summary, e2e, meta)
+        elif e2e is not None:
+            print_e2e(e2e)
         print(
             f"\n(total {meta['total_s']:.0f} s; load average {meta['load_avg_start'][0]:.2f} at start, "
             f"{meta['load_avg_end'][0]:.2f} at end)"

@@ -34,6 +34,7 @@ from ckptflow.trainer.interval import AutoInterval
 from ckptflow.trainer.loader import Reshard, files_read, load_target, load_verified
 from ckptflow.trainer.manifest import FileEntry, Manifest
 from ckptflow.trainer.nodes import not_recoverable_error, recover, resume_point
+from ckptflow.trainer.priority import PRIORITIES
 from ckptflow.trainer.probe import NextStepLoss, ProbeMismatch, fixed_batch_record, next_step_record, none_recorded
 from ckptflow.trainer.resume import check_provenance, find_resume_point, no_checkpoint_error
 from ckptflow.trainer.saver import ASYNC_MODES, AsyncSaver, SaveRequest
@@ -83,6 +84,10 @@ class CheckpointConfig:
     ~40 % less writer CPU on the small reference model (docs/benchmarks.md, "Persist"), still
     read by ``torch.load``/DCP (which never check it) and verified by the manifest's xxh3, but
     ``zipfile``/``unzip -t`` would call each record damaged."""
+    background_priority: str = "normal"
+    """CPU priority of each save's persist and commit threads (``trainer/priority.py``): ``normal``,
+    ``low`` (nice 19) or ``idle`` (Linux ``SCHED_IDLE``: only CPU that training leaves). Lower
+    priorities cost training less where the host has no spare cores, and may commit later there."""
     emit_events: bool = True
     """Send ``ckptflow.checkpoint.committed`` to Prefect when PREFECT_API_URL is set."""
     event_exit_budget_s: float = 1.0
@@ -127,6 +132,11 @@ class CheckpointConfig:
             )
         if self.async_mode not in ASYNC_MODES:
             raise ConfigError(f"CheckpointConfig.async_mode={self.async_mode!r}; choose one of {ASYNC_MODES}")
+        if self.background_priority not in PRIORITIES:
+            raise ConfigError(
+                f"CheckpointConfig.background_priority={self.background_priority!r}; "
+                f"choose one of {', '.join(PRIORITIES)}"
+            )
         if self.resume not in ("auto", "never", "required"):
             raise ConfigError(f"CheckpointConfig.resume={self.resume!r}; choose auto, never or required")
         if self.on_save_error not in ("raise", "continue"):
@@ -326,6 +336,7 @@ class CheckpointManager:
             mode=cfg.async_mode,
             writer_threads=cfg.writer_threads,
             zip_crc32=cfg.zip_crc32,
+            priority=cfg.background_priority,
             topology=self.topology,
             replicas=cfg.replicas,
         )

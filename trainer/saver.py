@@ -45,6 +45,7 @@ from ckptflow.trainer.checksum import digest_file
 from ckptflow.trainer.errors import SaveError
 from ckptflow.trainer.fastwrite import HashingWriter
 from ckptflow.trainer.manifest import FileEntry, Manifest
+from ckptflow.trainer.priority import PRIORITIES, lower_this_thread
 from ckptflow.trainer.topology import Topology, single
 
 log = logging.getLogger(__name__)
@@ -59,9 +60,17 @@ class _FaultingWriter(HashingWriter):
     In PROCESS mode this object runs in DCP's daemon process, so the faults fire there.
     """
 
-    def __init__(self, path: str, step: int, **kw: Any) -> None:
+    def __init__(self, path: str, step: int, *, priority: str = "normal", **kw: Any) -> None:
         super().__init__(path, **kw)
         self.step = step
+        self.priority = priority
+        """``priority.PRIORITIES``: the thread that runs DCP's save gets it (not in sync mode, where
+        that thread is the training thread)."""
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        # DCP's first call on the thread that plans and writes this save, before its collectives.
+        lower_this_thread(self.priority)
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
 
     def write_data(self, plan, planner):  # noqa: ANN001 - DCP's signature
         faults.maybe_crash("write", self.step)
@@ -179,6 +188,7 @@ class AsyncSaver:
         mode: str = "async_staging",
         writer_threads: int = 1,
         zip_crc32: bool = True,
+        priority: str = "normal",
         topology: Topology | None = None,
         replicas: int = 2,
         timeout_s: float = 600.0,
@@ -195,6 +205,10 @@ class AsyncSaver:
         self.mode = mode
         self.writer_threads = writer_threads
         self.zip_crc32 = zip_crc32
+        if priority not in PRIORITIES:
+            raise ValueError(f"background priority {priority!r} is unknown; choose one of {PRIORITIES}")
+        self.priority = priority
+        """CPU priority of the persist and commit threads (``trainer/priority.py``)."""
         # Reused across saves: its CPU buffers are allocated once, then copied into.
         self._stager = (
             _RecordingStager(
@@ -219,7 +233,12 @@ class AsyncSaver:
         tmp = os.path.join(req.run_path, layout.tmp_name(req.step))
         os.makedirs(tmp, exist_ok=True)
         writer = _FaultingWriter(
-            tmp, req.step, thread_count=self.writer_threads, sync_files=True, zip_crc32=self.zip_crc32
+            tmp,
+            req.step,
+            thread_count=self.writer_threads,
+            sync_files=True,
+            zip_crc32=self.zip_crc32,
+            priority=self.priority if self.mode != "sync" else "normal",
         )
         t0 = time.perf_counter()
         if self.mode == "sync":
@@ -297,6 +316,7 @@ class AsyncSaver:
         staged: Any = None,
     ) -> None:
         try:
+            lower_this_thread(self.priority)  # a new thread per save: nothing else runs on it
             gathered = self._gather_entries(upload, writer, req, timing, t0, staged)
             if self.topology.scope == "node":
                 self._commit_nodes(gathered, req, timing)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from ckptflow.trainer import faults
 from ckptflow.trainer.checkpointer import CheckpointConfig, CheckpointManager, Provenance, SanitySpec
 from ckptflow.trainer.distenv import init_distributed, shutdown
+from ckptflow.trainer.priority import PRIORITIES
 from ckptflow.trainer.reference.build import BUILDER, TrainConfig, build
 from ckptflow.trainer.reference.data import GlobalSampler
 from ckptflow.trainer.reference.metrics import metrics_path
@@ -78,6 +79,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="whether --ckpt-root is each node's own disk or shared (auto: find out)",
     )
     p.add_argument("--replicas", type=int, default=2, help="node-local roots: nodes holding each shard (1: none)")
+    p.add_argument(
+        "--background-priority",
+        default=None,
+        choices=list(PRIORITIES),
+        help="CPU priority of each save's persist and commit threads (default: CheckpointConfig's)",
+    )
     return p.parse_args(argv)
 
 
@@ -129,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             on_save_error=args.on_save_error,
             hot_scope=args.hot_scope,
             replicas=args.replicas,
+            **({"background_priority": args.background_priority} if args.background_priority else {}),
         ),
         model=b.model,
         optimizer=b.optimizer,
