@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor
 
 from ckptflow.trainer import layout
 from ckptflow.trainer.checkpointer import CheckpointConfig, CheckpointManager, Provenance, SanitySpec
-from ckptflow.trainer.distenv import DistEnv, init_distributed, shutdown
+from ckptflow.trainer.distenv import DistEnv, exit_process, init_distributed, shutdown
 from ckptflow.trainer.loader import load_verified
 from ckptflow.trainer.manifest import read_manifest
 from ckptflow.trainer.reference.build import BUILDER, Built, TrainConfig, build
@@ -563,4 +563,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_process(main())

@@ -29,14 +29,13 @@ import importlib
 import json
 import math
 import os
-import sys
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ckptflow.trainer.distenv import init_distributed, shutdown
+from ckptflow.trainer.distenv import exit_process, init_distributed, shutdown
 from ckptflow.trainer.errors import CkptflowError, ConfigError, IntegrityError
 from ckptflow.trainer.loader import load_verified
 from ckptflow.trainer.resume import _verify_together
@@ -238,4 +237,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

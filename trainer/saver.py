@@ -51,6 +51,8 @@ from ckptflow.trainer.topology import Topology, single
 log = logging.getLogger(__name__)
 
 ASYNC_MODES = ("async_staging", "thread", "process", "sync")
+# How long wait() gives a commit thread to return once its outcome is known (its frame only).
+_COMMIT_THREAD_EXIT_S = 30.0
 
 
 class _FaultingWriter(HashingWriter):
@@ -224,6 +226,7 @@ class AsyncSaver:
         )
         self._staging: Future | None = None
         self._done: Future | None = None
+        self._commit_thread: threading.Thread | None = None
 
     # -- called by the manager on the training thread -------------------------------
     def submit(self, state: dict[str, Any], req: SaveRequest) -> SaveTiming:
@@ -273,12 +276,13 @@ class AsyncSaver:
             faults.maybe_crash("staging", req.step)  # the staged copy is being made in the background
         staged = self._stager.last if self._stager is not None else None
         self._done = Future()
-        threading.Thread(
+        self._commit_thread = threading.Thread(
             target=self._commit,
             args=(upload, writer, req, timing, t0, self._done, staged),
             name=f"ckptflow-commit-{req.step}",
             daemon=True,
-        ).start()
+        )
+        self._commit_thread.start()
         return timing
 
     def wait_for_staging(self) -> None:
@@ -294,7 +298,20 @@ class AsyncSaver:
         self.wait_for_staging()
         if self._done is not None:
             done, self._done = self._done, None
-            done.result()
+            try:
+                done.result()
+            finally:
+                self._join_commit_thread()
+
+    def _join_commit_thread(self) -> None:
+        # The outcome is set before the thread has dropped its frame (the staged copy, the
+        # writer). Joining here means no checkpoint thread is still freeing tensors when the
+        # caller goes on to tear down its process groups or the interpreter: a daemon thread
+        # caught in C++ code by interpreter finalization aborts the process (SIGABRT) after
+        # every save succeeded. Bounded: what is left after the outcome is only that frame.
+        thread, self._commit_thread = self._commit_thread, None
+        if thread is not None:
+            thread.join(timeout=_COMMIT_THREAD_EXIT_S)
 
     def close(self) -> None:
         try:

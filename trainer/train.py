@@ -6,9 +6,8 @@ this module only keeps the command stable (``torchrun ... -m ckptflow.trainer.tr
 
 from __future__ import annotations
 
-import sys
-
+from ckptflow.trainer.distenv import exit_process
 from ckptflow.trainer.reference.job import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

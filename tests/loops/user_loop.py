@@ -25,7 +25,7 @@ from torch.utils.data import DistributedSampler, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from ckptflow import CheckpointConfig, CheckpointManager, Provenance
-from ckptflow.trainer.distenv import init_distributed, shutdown
+from ckptflow.trainer.distenv import exit_process, init_distributed, shutdown
 
 
 class Net(nn.Module):
@@ -144,4 +144,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_process(main())
