@@ -344,6 +344,7 @@ def test_advise_errors_are_usage_errors_with_one_line(capsys, tmp_path):
 # ---- the console script itself -------------------------------------------------------------
 
 
+@pytest.mark.serial  # a 1 s bound on start-up
 def test_help_is_fast_and_errors_from_the_shell_are_one_line(tmp_path):
     exe = os.path.join(os.path.dirname(PY), "ckptflow")
     env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "CKPTFLOW_CONFIG")}

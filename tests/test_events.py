@@ -65,6 +65,7 @@ def _train(root, api_url) -> dict:
     return dict(json.loads(line.split(" ", 1)[1]), wall_s=time.perf_counter() - t0)
 
 
+@pytest.mark.serial  # bounds on wall time
 def test_unreachable_or_silent_server_costs_at_most_about_a_second(tmp_path, silent):
     """A refusing and a hanging server vs none.
 

@@ -307,6 +307,7 @@ def test_auto_interval_in_a_real_two_rank_run_changes_together_on_every_rank(tmp
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # restart times feed the replay: a neighbour's CPU would stretch them
 def test_the_replay_matches_a_real_run_with_failures(tmp_path):
     """A real torchrun job, SIGKILLed at exponential times, against ``ckptflow goodput``'s replay of
     the same kill times for the run's own measured costs.

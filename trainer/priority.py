@@ -31,6 +31,13 @@ training thread preempts it at once."""
 LOW_NICE = 19
 
 
+def check(priority: str) -> str:
+    """``priority`` if it is one of ``PRIORITIES``; otherwise a ValueError that lists them."""
+    if priority not in PRIORITIES:
+        raise ValueError(f"background priority {priority!r} is unknown; choose one of {', '.join(PRIORITIES)}")
+    return priority
+
+
 def lower_this_thread(priority: str) -> bool:
     """Give the calling thread ``priority``; True if it changed.
 
@@ -38,9 +45,7 @@ def lower_this_thread(priority: str) -> bool:
     threads that do nothing but background work. Outside Linux (or if the kernel refuses) the
     thread keeps its priority and a debug line says why.
     """
-    if priority not in PRIORITIES:
-        raise ValueError(f"background priority {priority!r} is unknown; choose one of {', '.join(PRIORITIES)}")
-    if priority == "normal":
+    if check(priority) == "normal":
         return False
     try:
         if priority == "idle":

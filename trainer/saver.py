@@ -45,7 +45,8 @@ from ckptflow.trainer.checksum import digest_file
 from ckptflow.trainer.errors import SaveError
 from ckptflow.trainer.fastwrite import HashingWriter
 from ckptflow.trainer.manifest import FileEntry, Manifest
-from ckptflow.trainer.priority import PRIORITIES, lower_this_thread
+from ckptflow.trainer.priority import check as check_priority
+from ckptflow.trainer.priority import lower_this_thread
 from ckptflow.trainer.topology import Topology, single
 
 log = logging.getLogger(__name__)
@@ -207,9 +208,8 @@ class AsyncSaver:
         self.mode = mode
         self.writer_threads = writer_threads
         self.zip_crc32 = zip_crc32
-        if priority not in PRIORITIES:
-            raise ValueError(f"background priority {priority!r} is unknown; choose one of {PRIORITIES}")
-        self.priority = priority
+        # Checked here, not first in the commit thread: a bad value fails at construction.
+        self.priority = check_priority(priority)
         """CPU priority of the persist and commit threads (``trainer/priority.py``)."""
         # Reused across saves: its CPU buffers are allocated once, then copied into.
         self._stager = (
