@@ -199,8 +199,39 @@ def run_e2e(a: argparse.Namespace, workdir: str) -> dict[str, Any]:
         rid = extra[1]
         with open(os.path.join(workdir, "e2e", rid, "metrics.jsonl"), encoding="utf-8") as f:
             t = {r["step"]: r["t"] for r in map(json.loads, f)}
-        runs[name] = {"t": t, "wall_s": wall, "load_avg": [load_before, os.getloadavg()[0]]}
+        runs[name] = {
+            "t": t,
+            "wall_s": wall,
+            "load_avg": [load_before, os.getloadavg()[0]],
+            "summary": job_summary(os.path.join(workdir, f"e2e-{name}.log")),
+        }
     return {"steps": steps, "every": every, "warmup": w0, "max_steps": max_steps, "model": a.e2e_model, "runs": runs}
+
+
+def job_summary(log_path: str) -> dict[str, Any]:
+    """The reference job's ``ckptflow-summary`` line (rank 0) from its log."""
+    with open(log_path, encoding="utf-8", errors="replace") as f:
+        lines = [x for x in f if x.startswith("ckptflow-summary ")]
+    if not lines:
+        raise RuntimeError(f"{log_path}: no ckptflow-summary line")
+    return json.loads(lines[-1].split(" ", 1)[1])
+
+
+def background_cpu(e: dict[str, Any], run: str) -> dict[str, float] | None:
+    """CPU seconds per save of the threads rank 0 started after its loop began (staging, DCP's
+    planning and writer, the commit: ``trainer/reference/threadcpu.py``), over ``run``'s saves; the
+    no-save run's figure is the control (~0). On a host whose cores the ranks fill (2 ranks, 2 cores
+    here) every such second is taken from training, so ``per_save_s / interval`` is what a save
+    costs end to end there; with idle cores (a GPU node) it costs nothing."""
+    base, r = e["runs"]["no_save"].get("summary"), e["runs"][run].get("summary")
+    if not base or not r or "cpu_new_threads_s" not in r or not r.get("saves"):
+        return None
+    return {
+        "per_save_s": r["cpu_new_threads_s"] / r["saves"],
+        "saves": r["saves"],
+        "control_s": base["cpu_new_threads_s"],
+        "off_main_thread_delta_s": r["cpu_off_main_thread_s"] - base["cpu_off_main_thread_s"],
+    }
 
 
 # -- turning per-rank numbers into figures -------------------------------------------------------
@@ -394,6 +425,10 @@ def summarize_e2e(e: dict[str, Any]) -> dict[str, Any]:
             out[f"excess_per_save_{key}_s"] = other
             other_interval = every * med([v for s, v in durs[run].items() if s not in hit])
             out[f"overhead_within_run_{key}"] = med(other) / other_interval if other else float("nan")
+    for run in e["runs"]:
+        if run != "no_save" and (bg := background_cpu(e, run)) is not None:
+            bg["share"] = bg["per_save_s"] / (every * med([v for s, v in durs[run].items() if s not in hit]))
+            out[f"background_cpu_{run}"] = bg
     out["saves_in_window"] = len(save_steps)
     out["excess_per_save_s"] = ex
     out["control_excess_s"] = ctrl
@@ -588,6 +623,13 @@ def print_e2e(e: dict[str, Any]) -> None:
                 f"  {what} instead: {e[f'overhead_within_run_{key}'] * 100:+6.2f} % within the run; excess "
                 f"per save {', '.join(fmt_s(x) for x in e[f'excess_per_save_{key}_s'])}"
             )
+    for key in sorted(k for k in e if k.startswith("background_cpu_")):
+        bg = e[key]
+        p(
+            f"  CPU of rank 0's save threads, {key[len('background_cpu_') :]}: {fmt_s(bg['per_save_s'])} per save "
+            f"({bg['saves']} saves; no-save control {fmt_s(bg['control_s'])} in all) = {bg['share'] * 100:.2f} % "
+            "of a rank's interval (what a save costs where the ranks fill every core)"
+        )
     if "predicted" in e:
         pr = e["predicted"]
         p(

@@ -304,6 +304,9 @@ def test_auto_interval_in_a_real_two_rank_run_changes_together_on_every_rank(tmp
     out = r.stdout + r.stderr  # torchrun may forward a worker's stdout to either
     summary = json.loads(out.split("ckptflow-summary ", 1)[1].splitlines()[0])
     assert summary["interval"] == decisions[-1]["new"] and summary["interval_changes"] == len(decisions)
+    # the CPU figures the end-to-end benchmark subtracts (saves run off the training thread)
+    assert 0 < summary["cpu_off_main_thread_s"] < summary["cpu_s"], summary
+    assert 0 < summary["cpu_new_threads_s"] <= summary["cpu_off_main_thread_s"] + 0.05, summary
 
 
 @pytest.mark.slow

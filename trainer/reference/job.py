@@ -25,6 +25,7 @@ from ckptflow.trainer import faults
 from ckptflow.trainer.checkpointer import CheckpointConfig, CheckpointManager, Provenance, SanitySpec
 from ckptflow.trainer.distenv import init_distributed, shutdown
 from ckptflow.trainer.priority import PRIORITIES
+from ckptflow.trainer.reference import threadcpu
 from ckptflow.trainer.reference.build import BUILDER, TrainConfig, build
 from ckptflow.trainer.reference.data import GlobalSampler
 from ckptflow.trainer.reference.metrics import metrics_path
@@ -159,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     if env.rank == 0:
         os.makedirs(ckpt.run_path, exist_ok=True)
     mf = open(metrics_path(ckpt.run_path), "a", buffering=1) if env.rank == 0 else None
+    cpu_at_start = threadcpu.snapshot()
     t0 = time.perf_counter()
     for step in range(start + 1, args.max_steps + 1):
         tokens = sampler.next_batch()
@@ -194,6 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     t_close = time.perf_counter()
     ckpt.close()
     close_s = time.perf_counter() - t_close
+    # CPU of this rank's process, and the part not on the training thread: a save's background
+    # work (staging, DCP's planning and writer, the commit), plus gloo's I/O threads, which a
+    # run without saves has too. The benchmark subtracts the two runs' figures.
+    cpu_s, cpu_main_s = time.process_time(), time.thread_time()
+    cpu_new_threads_s = threadcpu.started_since(cpu_at_start)
     if mf is not None:
         mf.close()
     if env.rank == 0:
@@ -210,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
                     "stall_max_ms": blocked[-1] * 1e3,
                     "train_s": train_s,
                     "close_s": close_s,
+                    "cpu_s": cpu_s,
+                    "cpu_off_main_thread_s": cpu_s - cpu_main_s,
+                    "cpu_new_threads_s": cpu_new_threads_s,
                     "steps": args.max_steps - start,
                     "resumed_from": start,
                     "load_s": load_s,
