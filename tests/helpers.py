@@ -27,6 +27,20 @@ def torchrun_env(extra: dict | None = None) -> dict:
     return child_env(extra)
 
 
+def run_script(script: str, env: dict | None = None, *, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -c script`` from the repository, in a child's environment (``env`` on top): a real
+    process of its own, so a script can build its process group and exit as a worker does."""
+    return subprocess.run(
+        [PY, "-c", script], cwd=REPO, env=torchrun_env(env), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def script_result(stdout: str) -> dict:
+    """The JSON a script printed on its ``RESULT `` line."""
+    line = next(x for x in stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT ") :])
+
+
 def run_torchrun(
     args: list[str],
     *,

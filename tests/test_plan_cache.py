@@ -10,11 +10,9 @@ resumes.
 
 from __future__ import annotations
 
-import json
-import subprocess
 import textwrap
 
-from tests.helpers import PY, REPO, torchrun_env
+from tests.helpers import run_script, script_result
 
 SCRIPT = textwrap.dedent("""
     import json, os
@@ -81,16 +79,9 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_cached_plans_follow_changes_and_never_cross_managers(tmp_path):
-    r = subprocess.run(
-        [PY, "-c", SCRIPT],
-        cwd=REPO,
-        env=torchrun_env({"ROOT": str(tmp_path)}),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    r = run_script(SCRIPT, {"ROOT": str(tmp_path)})
     assert r.returncode == 0, r.stderr[-4000:]
-    out = json.loads(next(x for x in r.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT ") :])
+    out = script_result(r.stdout)
     assert out["cached"] == 2, out  # both managers used the cache...
     assert out["left"] == [], out  # ...and closing them dropped it
     assert out["same"] == {"a": True, "b": True}, out

@@ -9,9 +9,7 @@ still commits and loads back bitwise.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import textwrap
 import threading
 
@@ -20,7 +18,7 @@ import pytest
 from ckptflow.trainer.checkpointer import CheckpointConfig
 from ckptflow.trainer.errors import ConfigError
 from ckptflow.trainer.priority import PRIORITIES, lower_this_thread, this_thread
-from tests.helpers import PY, REPO, torchrun_env
+from tests.helpers import run_script, script_result
 
 SCRIPT = textwrap.dedent("""
     import json, os, sys, threading
@@ -73,17 +71,9 @@ SCRIPT = textwrap.dedent("""
 
 
 def _run(tmp_path, mode: str, prio: str) -> dict:
-    r = subprocess.run(
-        [PY, "-c", SCRIPT],
-        cwd=REPO,
-        env=torchrun_env({"ROOT": str(tmp_path), "MODE": mode, "PRIO": prio}),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    r = run_script(SCRIPT, {"ROOT": str(tmp_path), "MODE": mode, "PRIO": prio})
     assert r.returncode == 0, r.stderr[-4000:]
-    line = next(x for x in r.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT ") :])
+    return script_result(r.stdout)
 
 
 @pytest.mark.parametrize("prio", ["idle", "low"])

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import textwrap
 
 import pytest
@@ -20,7 +19,7 @@ import pytest
 from ckptflow.trainer.checksum import MAX_BLOCKS, MIN_BLOCK, FileDigest, block_digest, block_size_for
 from ckptflow.trainer.errors import ManifestError
 from ckptflow.trainer.manifest import FileEntry, Manifest
-from tests.helpers import PY, REPO, torchrun_env
+from tests.helpers import run_script, script_result
 
 SCRIPT = textwrap.dedent("""
     import json, os, shutil, sys
@@ -148,12 +147,9 @@ SCRIPT = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     root = tmp_path_factory.mktemp("reader")
-    r = subprocess.run(
-        [PY, "-c", SCRIPT], cwd=REPO, env=torchrun_env({"ROOT": str(root)}), capture_output=True, text=True, timeout=300
-    )
+    r = run_script(SCRIPT, {"ROOT": str(root)})
     assert r.returncode == 0, r.stderr[-4000:]
-    line = next(x for x in r.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT ") :])
+    return script_result(r.stdout)
 
 
 def test_block_digests_are_recorded_as_the_files_are_written(result):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import textwrap
 
-from tests.helpers import PY, REPO, make_run, torchrun_env
+from tests.helpers import PY, REPO, make_run, run_script, torchrun_env
 
 
 def _train(root, *extra):
@@ -96,12 +96,5 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_scheduler_scaler_sampler_and_rng_round_trip(tmp_path):
-    r = subprocess.run(
-        [PY, "-c", SCRIPT],
-        cwd=REPO,
-        env=torchrun_env({"ROOT": str(tmp_path)}),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = run_script(SCRIPT, {"ROOT": str(tmp_path)}, timeout=120)
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]

@@ -4,11 +4,10 @@ finalization (where torch's C++ threads could abort a job that succeeded)."""
 
 from __future__ import annotations
 
-import subprocess
 import textwrap
 import time
 
-from tests.helpers import PY, REPO, torchrun_env
+from tests.helpers import run_script
 
 LINGERING_COMMIT = textwrap.dedent("""
     import os, threading, time
@@ -41,14 +40,7 @@ LINGERING_COMMIT = textwrap.dedent("""
 
 
 def test_no_commit_thread_outlives_close(tmp_path):
-    r = subprocess.run(
-        [PY, "-c", LINGERING_COMMIT],
-        cwd=REPO,
-        env=torchrun_env({"ROOT": str(tmp_path)}),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = run_script(LINGERING_COMMIT, {"ROOT": str(tmp_path)}, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "ALIVE []" in r.stdout, r.stdout
 
@@ -64,7 +56,7 @@ def test_exit_process_keeps_the_code_and_the_output_and_skips_finalization():
         "exit_process(3)\n"
     )
     t0 = time.monotonic()
-    r = subprocess.run([PY, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    r = run_script(script, timeout=60)
     assert time.monotonic() - t0 < 30
     assert r.returncode == 3
     assert r.stdout == "unflushed out"

@@ -196,9 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     t_close = time.perf_counter()
     ckpt.close()
     close_s = time.perf_counter() - t_close
-    # CPU of this rank's process, and the part not on the training thread: a save's background
-    # work (staging, DCP's planning and writer, the commit), plus gloo's I/O threads, which a
-    # run without saves has too. The benchmark subtracts the two runs' figures.
+    # CPU of this rank's process, the part not on the training thread (gloo's workers are most of
+    # it, saves or not), and the part of the threads started since the loop began: the saves'
+    # background work (staging, DCP's planning and writer, the commit), which the benchmark reads.
     cpu_s, cpu_main_s = time.process_time(), time.thread_time()
     cpu_new_threads_s = threadcpu.started_since(cpu_at_start)
     if mf is not None:
