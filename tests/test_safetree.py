@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptflow.trainer.errors import IntegrityError
-from ckptflow.trainer.safetree import UnsupportedStateError, decode, encode, encode_tensor
+from ckptflow.trainer.safetree import PAD, UnsupportedStateError, decode, encode, encode_tensor
 from ckptflow.trainer.state import capture_rng, states_equal
 
 leaves = st.one_of(
@@ -90,3 +90,15 @@ def test_a_pickle_is_not_a_state_entry():
 
     with pytest.raises(IntegrityError, match="not a ckptflow state entry"):
         decode(pickle.dumps({"a": 1}))
+
+
+def test_the_tensor_encoding_keeps_its_size_while_the_state_changes_a_little():
+    # A rank's entry is one uint8 tensor in DCP's plan: a size that moves with the digits of a
+    # number would change the plan at every save and defeat DCP's plan caching (saver.py).
+    a = encode_tensor({"pos": 7, "loss": 0.5, "rng": list(range(600))})
+    b = encode_tensor({"pos": 123456789, "loss": 0.123456789012, "rng": list(range(600))})
+    assert len(encode({"pos": 7})) != len(encode({"pos": 123456789}))
+    assert a.numel() == b.numel() and a.numel() % PAD == 0
+    assert decode(b.numpy().tobytes())["pos"] == 123456789
+    # Entries written before the padding (exactly encode's bytes) still decode.
+    assert decode(encode({"pos": 7}))["pos"] == 7

@@ -84,6 +84,13 @@ class CheckpointConfig:
     ~40 % less writer CPU on the small reference model (docs/benchmarks.md, "Persist"), still
     read by ``torch.load``/DCP (which never check it) and verified by the manifest's xxh3, but
     ``zipfile``/``unzip -t`` would call each record damaged."""
+    direct_io: bool = True
+    """Write the data files past the page cache (``O_DIRECT``, ``trainer/directio.py``), buffered
+    where the file system refuses it. Saves the kernel's page-cache work on the persist threads
+    (half their CPU on a VM that backs guest pages lazily, docs/benchmarks.md, "Direct writes")
+    and keeps checkpoints from crowding training data out of the page cache, at the price of a
+    restart on the same node reading the checkpoint from the device rather than from memory.
+    False: buffered writes, as DCP's own writer."""
     background_priority: str = "normal"
     """CPU priority of each save's persist and commit threads (``trainer/priority.py``): ``normal``,
     ``low`` (nice 19) or ``idle`` (Linux ``SCHED_IDLE``: only CPU that training leaves). Lower
@@ -336,6 +343,7 @@ class CheckpointManager:
             mode=cfg.async_mode,
             writer_threads=cfg.writer_threads,
             zip_crc32=cfg.zip_crc32,
+            direct_io=cfg.direct_io,
             priority=cfg.background_priority,
             topology=self.topology,
             replicas=cfg.replicas,

@@ -51,6 +51,7 @@ from torch.futures import Future
 
 from ckptflow.trainer import zipfmt
 from ckptflow.trainer.checksum import FileDigest, block_size_for
+from ckptflow.trainer.directio import DirectFile
 
 try:  # the same CRC-32 as zlib's, with carry-less multiplication: ~4x faster here
     from isal.isal_zlib import crc32 as _crc32
@@ -199,9 +200,13 @@ class HashingWriter(FileSystemWriter):
     """DCP's ``FileSystemWriter`` (same files, same names, same metadata), writing tensors from
     templates and recording each data file's ``(xxh3, size)`` in ``digests``."""
 
-    def __init__(self, path: str | os.PathLike, *, zip_crc32: bool = True, **kw: Any) -> None:
+    def __init__(self, path: str | os.PathLike, *, zip_crc32: bool = True, direct_io: bool = False, **kw: Any) -> None:
         super().__init__(path, **kw)
         self.zip_crc32 = zip_crc32
+        self.direct_io = direct_io
+        """Write the data files past the page cache (``directio.py``); buffered where unsupported."""
+        self.files_direct = 0
+        """How many data files were written direct (tests, benchmarks)."""
         self.digests: dict[str, FileDigest] = {}
         self.items_templated = 0
         self.items_saved = 0
@@ -224,7 +229,7 @@ class HashingWriter(FileSystemWriter):
     def _write_file(self, planner: SavePlanner, path: Any, storage_key: str, items: list[WriteItem]) -> list:
         results: list[WriteResult] = []
         templated = 0
-        with self.fs.create_stream(path, "wb") as raw:
+        with DirectFile(path) if self.direct_io else self.fs.create_stream(path, "wb") as raw:
             out = HashingStream(raw, sum(_nbytes(w) for w in items))
             for wi in (w for w in items if w.type == WriteItemType.BYTE_IO):
                 data = cast(io.BytesIO, planner.resolve_data(wi))
@@ -238,10 +243,16 @@ class HashingWriter(FileSystemWriter):
                 off = out.tell()
                 templated += write_tensor(out, t, crc32=self.zip_crc32)
                 results.append(_result(wi, storage_key, off, out.tell() - off))
-            raw.flush()
+            if isinstance(raw, DirectFile):
+                raw.finish()  # the padded tail, and the file cut to its size
+                direct = raw.direct
+            else:
+                raw.flush()
+                direct = False
             if self.sync_files:
-                os.fsync(raw.fileno())
+                os.fsync(raw.fileno())  # direct or not: the file's size and extents
         with _count_lock:  # files are written by several threads
+            self.files_direct += direct
             self.digests[storage_key] = out.hasher
             self.items_templated += templated
             self.items_saved += sum(w.type != WriteItemType.BYTE_IO for w in items) - templated

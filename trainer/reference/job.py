@@ -86,6 +86,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=list(PRIORITIES),
         help="CPU priority of each save's persist and commit threads (default: CheckpointConfig's)",
     )
+    p.add_argument(
+        "--direct-io",
+        default=None,
+        choices=["on", "off"],
+        help="write the data files past the page cache (O_DIRECT; default: CheckpointConfig's)",
+    )
     return p.parse_args(argv)
 
 
@@ -138,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             hot_scope=args.hot_scope,
             replicas=args.replicas,
             **({"background_priority": args.background_priority} if args.background_priority else {}),
+            **({"direct_io": args.direct_io == "on"} if args.direct_io else {}),
         ),
         model=b.model,
         optimizer=b.optimizer,
