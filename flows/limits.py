@@ -53,16 +53,23 @@ def ensure_machine_limits(sanity: int, uploads: int, machine: str | None = None)
     """Create or update this machine's two limits; returns ``{name: limit}``."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, GlobalConcurrencyLimitUpdate
-    from prefect.exceptions import ObjectNotFound
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
     want = {limit_name("sanity", machine): sanity, limit_name("upload", machine): uploads}
     with get_client(sync_client=True) as c:
         for name, n in want.items():
+            update = GlobalConcurrencyLimitUpdate(limit=n, active=True)
             try:
                 c.read_global_concurrency_limit_by_name(name)
-                c.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(limit=n, active=True))
+                c.update_global_concurrency_limit(name, update)
             except ObjectNotFound:
-                c.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=n, active=True))
+                try:
+                    c.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=n, active=True))
+                except ObjectAlreadyExists:
+                    # Another worker of this machine created it between our read and create (two
+                    # workers started at once: seen in tests/test_node_lifecycle.py, where the
+                    # losing worker exited). Same machine, same limits: set ours on theirs.
+                    c.update_global_concurrency_limit(name, update)
     return want
 
 

@@ -158,6 +158,32 @@ def test_each_machine_gets_its_own_sanity_and_upload_limit(prefect_pg, monkeypat
             pass
 
 
+def test_two_workers_of_one_machine_starting_at_once_both_get_its_limits(prefect_pg, monkeypatch):
+    """The second worker's read found no limit, the first created it before the second's create:
+    the second sets its values on the existing limit instead of exiting (``ObjectAlreadyExists``)."""
+    from prefect.client.orchestration import SyncPrefectClient, get_client
+    from prefect.exceptions import ObjectNotFound
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from ckptflow.flows.limits import ensure_machine_limits
+
+    monkeypatch.setenv("PREFECT_API_URL", prefect_pg.url)
+    monkeypatch.setenv("CKPTFLOW_HOST", "race")
+    with temporary_settings({PREFECT_API_URL: prefect_pg.url}):
+        ensure_machine_limits(1, 1)  # the first worker
+
+        def not_there_yet(self, name):  # what the second worker read just before the first created it
+            raise ObjectNotFound(http_exc=Exception(name))
+
+        monkeypatch.setattr(SyncPrefectClient, "read_global_concurrency_limit_by_name", not_there_yet)
+        assert ensure_machine_limits(2, 3) == {"ckptflow-sanity-race": 2, "ckptflow-upload-race": 3}
+        monkeypatch.undo()
+        monkeypatch.setenv("PREFECT_API_URL", prefect_pg.url)
+        with get_client(sync_client=True) as c:
+            assert c.read_global_concurrency_limit_by_name("ckptflow-sanity-race").limit == 2
+            assert c.read_global_concurrency_limit_by_name("ckptflow-upload-race").limit == 3
+
+
 def test_a_killed_holder_s_slot_comes_back_within_its_lease(prefect_pg, monkeypatch):
     """A lifecycle SIGKILLed in its verify stage cannot release its machine's sanity slot; the
     slot's lease (``SLOT_LEASE_S``, 60 s, not Prefect's 300 s) bounds how long the machine

@@ -415,7 +415,8 @@ class CheckpointManager:
         ref = self._next_ref
         if ref is None or step != ref.step + 1 or ref.done():
             return
-        ref.settle(next_step_record(float(loss), self.env.world_size))
+        value = loss.detach() if isinstance(loss, torch.Tensor) else loss  # float() of a grad tensor warns
+        ref.settle(next_step_record(float(value), self.env.world_size))
 
     def wait(self) -> None:
         """Block until the in-flight save is committed."""
