@@ -58,11 +58,12 @@ def encode(obj: Any) -> bytes:
 
 PAD = 4096
 """``encode_tensor`` rounds its length up to a multiple of this (zeros after the blob, which
-``decode`` never reads). A rank's entry holds numbers whose text grows and shrinks by a few bytes
-between saves (a data position, a loss); an entry whose size changes changes that rank's DCP save
-plan, and a changed plan defeats DCP's plan caching (``saver.canonical_planner``): the global plan
-is rebuilt and pickled through a gather and a scatter again, ~50 ms of CPU per save for the
-reference model. Seen at 4 of 9 saves before this; the cost is at most 4 KiB per rank."""
+``decode`` never reads). A rank's entry holds numbers whose text grows and shrinks by a few
+bytes between saves (Python's RNG state is 625 ints in JSON; a data position); an entry whose
+size changes changes that rank's DCP save plan, and a changed plan defeats DCP's plan caching
+(``saver.canonical_planner``): the global plan is rebuilt and pickled through a gather and a
+scatter again, ~50 ms of CPU per save for the reference model. Seen at 4 of 9 saves before
+this; the cost is at most 4 KiB per rank."""
 
 
 def encode_tensor(obj: Any) -> torch.Tensor:

@@ -49,6 +49,7 @@ from ckptflow.trainer.fastwrite import HashingWriter
 from ckptflow.trainer.manifest import FileEntry, Manifest
 from ckptflow.trainer.priority import check as check_priority
 from ckptflow.trainer.priority import lower_this_thread
+from ckptflow.trainer.restage import ReusingStateDictStager, layout_of
 from ckptflow.trainer.topology import Topology, single
 
 log = logging.getLogger(__name__)
@@ -126,8 +127,6 @@ class _LayoutCachedPlanner(DefaultSavePlanner):
     """
 
     def create_local_plan(self) -> SavePlan:
-        from ckptflow.trainer.restage import layout_of
-
         key = self._cached_plans_key
         here = layout_of(self.state_dict)
         seen = (here, self.is_coordinator) if here is not None else None
@@ -222,8 +221,6 @@ class _RecordingStager(DefaultStager):
     def __init__(self, options: StagingOptions) -> None:
         super().__init__(options)
         if not options.use_shared_memory:
-            from ckptflow.trainer.restage import ReusingStateDictStager
-
             self._state_dict_stager = ReusingStateDictStager(pin_memory=options.use_pinned_memory, share_memory=False)
 
     def stage(self, state_dict, **kw):  # noqa: ANN001, ANN201 - DCP's signature
