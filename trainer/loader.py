@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ckptflow.trainer.distenv import DistEnv
 from ckptflow.trainer.errors import ConfigError, IntegrityError
@@ -38,6 +39,9 @@ takes for ``name`` ("sampler" or "extra") when resuming at another world size th
 that saved ``saved_states`` (one per saved rank) and they were not all equal."""
 
 log = logging.getLogger(__name__)
+
+WHY_BYTES = 2048
+"""How much of a failed rank's error the other ranks get (its own log has all of it)."""
 
 
 def load_target(
@@ -75,13 +79,12 @@ def files_read(step_dir: str, target: dict[str, Any]) -> set[str]:
     """The files a ``dcp.load`` of ``target`` from ``step_dir`` reads on this rank: DCP's own
     load plan (so resharding at another world size is accounted for), with ``.metadata``
     parsed by the restricted reader — call it only once ``.metadata`` matched its manifest."""
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
     from ckptflow.trainer import layout
     from ckptflow.trainer.dcpmeta import read_dcp_metadata
+    from ckptflow.trainer.reader import SafeLoadPlanner
 
     md = read_dcp_metadata(step_dir)
-    planner = DefaultLoadPlanner()
+    planner = SafeLoadPlanner()  # DCP's plan, item for item (tests/test_fastload.py), built faster
     planner.set_up_planner(target, md, is_coordinator=False)
     plan = planner.create_local_plan()
     return {md.storage_data[item.storage_index].relative_path for item in plan.items} | {layout.DCP_METADATA}
@@ -105,11 +108,9 @@ def load_verified(
     Every byte is read once, through :class:`~ckptflow.trainer.reader.VerifiedReader`: each
     file is checked against ``manifest`` as it is read and before any of it is handed on, and
     nothing is unpickled. A file that does not match raises ``IntegrityError`` on every rank
-    (DCP gathers the ranks' errors), so the caller can fall back together. DCP reshards to
+    (:func:`load_local` agrees on the outcome), so the caller can fall back together. DCP reshards to
     the current world size. Returns the loaded ``train`` dict.
     """
-    import torch.distributed.checkpoint as dcp
-
     from ckptflow.trainer.reader import SafeLoadPlanner, VerifiedReader
 
     # At the saving world size a rank reads mostly the files it wrote: their digests start while
@@ -140,19 +141,16 @@ def load_verified(
             extra=extra,
             metadata=md,
         )
-        try:
-            dcp.load(target, storage_reader=reader, planner=SafeLoadPlanner(), process_group=env.ckpt_group)
-        except BaseException as e:  # DCP's CheckpointException derives from BaseException
-            if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                raise
-            first = _first_cause(e)
+        failed = load_local(target, reader, SafeLoadPlanner(), env)
+        if failed is not None:
             raise IntegrityError(
-                f"{path}: could not load it ({first}); damaged, or the model or optimizer "
+                f"{path}: could not load it ({failed}); damaged, or the model or optimizer "
                 "structure differs from the one that saved it",
                 path=path,
-            ) from None
+            )
     finally:
         reader.close()  # stops a prefetch the load never reached (read_metadata or planning failed)
+        reader.unmap()
         if gc_was:
             gc.enable()
     if int(manifest.state.get("layout", 1)) == 1:
@@ -200,17 +198,52 @@ def load_verified(
     }
 
 
-def _first_cause(e: BaseException) -> str:
-    """The first rank's own error out of DCP's CheckpointException (which wraps one per rank)."""
-    failures = getattr(e, "failures", None)
-    if isinstance(failures, dict) and failures:
-        rank, err = sorted(failures.items())[0]
-        if isinstance(err, tuple) and err and isinstance(err[0], BaseException):
-            err = err[0]  # DCP wraps each as (exception, its traceback summary)
-        elif not isinstance(err, BaseException):
-            err = getattr(err, "args", [err])[0]
-        return f"rank {rank}: {err}"
-    return repr(e)
+def load_local(target: dict[str, Any], reader: Any, planner: Any, env: DistEnv) -> str | None:
+    """``dcp.load(target)`` without its plan exchange: what failed (on which ranks), or None.
+
+    DCP's load gathers every rank's local plan on the coordinator, passes them through the
+    planner's global step and scatters them back, then gathers every rank's result. For a load
+    the global step changes nothing (``create_default_global_load_plan`` returns the plans as
+    they came, and the reader's ``prepare_global_plan`` too), so the exchange is pure cost: two
+    pickled collectives, ~10 ms of a 167 MB load here, and on a large job every rank's plan
+    (thousands of items each) pickled through rank 0. Each rank plans and reads on its own here,
+    then one small collective tells every rank whether all succeeded — the agreement the caller
+    needs to fall back to an older checkpoint together. Nothing before it is a collective, so a
+    rank that failed early cannot leave another waiting in one.
+    """
+    err: BaseException | None = None
+    try:
+        md = reader.read_metadata()
+        planner.set_up_planner(target, md, env.is_coordinator)
+        reader.set_up_storage_reader(md, env.is_coordinator, rank=env.rank, use_collectives=False)
+        plan = reader.prepare_local_plan(planner.create_local_plan())
+        plan = reader.prepare_global_plan(planner.create_global_plan([plan]))[0]
+        reader.read_data(planner.finish_plan(plan), planner).wait()
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # DCP's CheckpointException derives from BaseException
+        err = e
+    # An IntegrityError names the file and what is wrong with it; anything else needs its type.
+    mine = "" if err is None else str(err) if isinstance(err, IntegrityError) else f"{type(err).__name__}: {err}"
+    if env.world_size == 1:
+        return None if err is None else f"rank 0: {mine}"
+    flags = torch.zeros(env.world_size, dtype=torch.int32)
+    flags[env.rank] = err is not None
+    # Every rank gets here, whatever failed; the checkpoint group's timeout bounds the wait.
+    dist.all_reduce(flags, group=env.ckpt_group)
+    bad = [r for r in range(env.world_size) if flags[r]]
+    if not bad:
+        return None
+    # All ranks agreed that bad[0] failed: it tells them why (as bytes, not a pickle), so every
+    # rank's log names the same cause.
+    why = torch.zeros(WHY_BYTES, dtype=torch.uint8)
+    if env.rank == bad[0]:
+        b = mine.encode()[:WHY_BYTES]
+        why[: len(b)] = torch.frombuffer(bytearray(b), dtype=torch.uint8)
+    dist.broadcast(why, src=bad[0], group=env.ckpt_group)
+    text = bytes(why.numpy()).rstrip(b"\0").decode(errors="replace")
+    more = f"; ranks {', '.join(map(str, bad[1:]))} failed too" if len(bad) > 1 else ""
+    return f"rank {bad[0]}: {text}{more}"
 
 
 def _rank_part(key: str, per: dict[int, Any], own: Any, saved: int, env: DistEnv, reshard_state: Reshard | None) -> Any:

@@ -37,33 +37,42 @@ def entries(buf: memoryview | bytes) -> dict[str, Entry]:
     out: dict[str, Entry] = {}
     p = cd_off
     for _ in range(n_entries):
-        # one unpack per record: the reader parses every tensor item's zip
-        sig, _v, _n, _f, method, _t, _d, _crc, csize, usize, nlen, xlen, clen, _s, _i, _a, hoff = _CEN.unpack_from(
-            buf, p
-        )
-        if sig != CEN:
-            raise ValueError("bad central directory entry")
-        name = bytes(buf[p + 46 : p + 46 + nlen]).decode()
-        if 0xFFFFFFFF in (csize, usize, hoff):
-            extra = bytes(buf[p + 46 + nlen : p + 46 + nlen + xlen])
-            vals = _zip64_values(extra, usize == 0xFFFFFFFF, csize == 0xFFFFFFFF, hoff == 0xFFFFFFFF)
-            usize, csize, hoff = (
-                vals.pop(0) if usize == 0xFFFFFFFF else usize,
-                vals.pop(0) if csize == 0xFFFFFFFF else csize,
-                vals.pop(0) if hoff == 0xFFFFFFFF else hoff,
-            )
-        central = p
-        p += 46 + nlen + xlen + clen
-        if method != 0 or csize != usize:
-            raise ValueError(f"{name} is compressed")
-        lsig, lnlen, lxlen = _LOC.unpack_from(buf, hoff)
-        if lsig != LOC:
-            raise ValueError("bad local header")
-        start = hoff + 30 + lnlen + lxlen
-        if start + usize > len(buf):
-            raise ValueError(f"{name} runs past the item")
-        out[name] = Entry(start, usize, hoff, central)
+        name, entry, p = record(buf, p)
+        out[name] = entry
     return out
+
+
+def end_record(buf: memoryview | bytes) -> bytes:
+    """The zip's end-of-central-directory record (record count, directory size and offset)."""
+    eocd = _end_record(buf)
+    return bytes(buf[eocd : eocd + 22])
+
+
+def record(buf: memoryview | bytes, p: int) -> tuple[str, Entry, int]:
+    """The *stored* entry whose central directory record is at ``p``: its name, where its data
+    lies, and where the next record starts; ValueError if there is none such."""
+    # one unpack per record: the reader parses every tensor item's zip
+    sig, _v, _n, _f, method, _t, _d, _crc, csize, usize, nlen, xlen, clen, _s, _i, _a, hoff = _CEN.unpack_from(buf, p)
+    if sig != CEN:
+        raise ValueError("bad central directory entry")
+    name = bytes(buf[p + 46 : p + 46 + nlen]).decode()
+    if 0xFFFFFFFF in (csize, usize, hoff):
+        extra = bytes(buf[p + 46 + nlen : p + 46 + nlen + xlen])
+        vals = _zip64_values(extra, usize == 0xFFFFFFFF, csize == 0xFFFFFFFF, hoff == 0xFFFFFFFF)
+        usize, csize, hoff = (
+            vals.pop(0) if usize == 0xFFFFFFFF else usize,
+            vals.pop(0) if csize == 0xFFFFFFFF else csize,
+            vals.pop(0) if hoff == 0xFFFFFFFF else hoff,
+        )
+    if method != 0 or csize != usize:
+        raise ValueError(f"{name} is compressed")
+    lsig, lnlen, lxlen = _LOC.unpack_from(buf, hoff)
+    if lsig != LOC:
+        raise ValueError("bad local header")
+    start = hoff + 30 + lnlen + lxlen
+    if start + usize > len(buf):
+        raise ValueError(f"{name} runs past the item")
+    return name, Entry(start, usize, hoff, p), p + 46 + nlen + xlen + clen
 
 
 def _end_record(buf: memoryview | bytes) -> int:

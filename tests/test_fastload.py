@@ -1,0 +1,183 @@
+"""The load's fixed costs cut (trainer/reader.py, trainer/tensoritem.py, trainer/loader.py):
+DCP's plan built without its resharding sweep where chunks line up, items located from a layout
+seen before, plain byte items read without torch's loader, and the load without DCP's plan
+exchange — each checked against what DCP itself does, plus a real 2-rank fallback."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import textwrap
+
+import pytest
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from ckptflow.trainer.errors import IntegrityError
+from ckptflow.trainer.reader import SafeLoadPlanner
+from ckptflow.trainer.tensoritem import NOT_PLAIN, Locator, plain_item, tensor_item
+from tests.helpers import flip_byte, run_script, run_torchrun, script_result, step_dir
+
+
+def _plans(state: dict, md: Metadata) -> tuple[list, list]:
+    out = []
+    for cls in (DefaultLoadPlanner, SafeLoadPlanner):
+        p = cls()
+        p.set_up_planner(state, md, True)
+        out.append(p.create_local_plan().items)
+    return out[0], out[1]
+
+
+def _md(**tensors: tuple[tuple[int, ...], list[tuple[tuple[int, ...], tuple[int, ...]]]]) -> Metadata:
+    return Metadata(
+        state_dict_metadata={
+            fqn: TensorStorageMetadata(
+                TensorProperties(dtype=torch.float32),
+                torch.Size(size),
+                [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in chunks],
+            )
+            for fqn, (size, chunks) in tensors.items()
+        }
+    )
+
+
+def test_plan_is_dcps_for_whole_chunks_and_for_resharding():
+    md = _md(
+        whole=((4, 3), [((0, 0), (4, 3))]),
+        scalar=((), [((), ())]),
+        empty=((0, 5), [((0, 0), (0, 5))]),
+        halves=((4, 3), [((0, 0), (2, 3)), ((2, 0), (2, 3))]),  # saved at world size 2, loaded whole
+    )
+    state = {
+        "whole": torch.zeros(4, 3),
+        "scalar": torch.zeros(()),
+        "empty": torch.zeros(0, 5),
+        "halves": torch.zeros(4, 3),
+    }
+    ref, ours = _plans(state, md)
+    assert ours == ref
+    assert sum(1 for r in ours if r.dest_index.fqn == "halves") == 2
+
+
+def test_plan_keeps_dcps_errors():
+    md = _md(w=((4, 3), [((0, 0), (4, 3))]))
+    with pytest.raises(ValueError, match="Size mismatch"):
+        _plans({"w": torch.zeros(3, 3)}, md)
+    with pytest.raises(RuntimeError, match="Missing key"):
+        _plans({"w": torch.zeros(4, 3), "gone": torch.zeros(1)}, md)
+
+
+DTENSOR = textwrap.dedent("""
+    import json, os
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, Replicate, distribute_tensor
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from ckptflow.trainer.distenv import init_distributed
+    from ckptflow.trainer.dcpmeta import read_dcp_metadata
+    from ckptflow.trainer.reader import SafeLoadPlanner
+    env = init_distributed()
+    mesh = init_device_mesh("cpu", (env.world_size,))
+    torch.manual_seed(0)
+    def state():
+        return {"s": distribute_tensor(torch.randn(6, 4), mesh, [Shard(0)]),
+                "r": distribute_tensor(torch.randn(5), mesh, [Replicate()]),
+                "p": torch.randn(3, 2)}
+    path = os.environ["CKPT"]
+    dcp.save(state(), checkpoint_id=path)
+    md = read_dcp_metadata(path)
+    out = {}
+    items = []
+    for cls in (DefaultLoadPlanner, SafeLoadPlanner):
+        p = cls(); p.set_up_planner(state(), md, True)
+        items.append(p.create_local_plan().items)
+    out["same"] = items[0] == items[1]
+    out["n"] = len(items[1])
+    print("RESULT " + json.dumps(out))
+""")
+
+
+def test_plan_is_dcps_for_dtensors(tmp_path):
+    r = run_script(DTENSOR, {"CKPT": str(tmp_path / "c")})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert script_result(r.stdout) == {"same": True, "n": 3}
+
+
+def _saved(t: torch.Tensor) -> memoryview:
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    return memoryview(buf.getvalue())
+
+
+def test_locator_reuses_a_layout_only_where_it_is_the_same():
+    rows = _saved(torch.randn(4, 6))
+    rows2 = _saved(torch.randn(4, 6))
+    cols = _saved(torch.randn(6, 4).t())  # same shape and length, other strides: another data.pkl
+    assert len(rows) == len(cols)
+    loc = Locator()
+    got = [loc.locate(it, "x") for it in (rows, rows2, cols, _saved(torch.randn(7)))]
+    assert got == [tensor_item(it, "x") for it in (rows, rows2, cols, _saved(torch.randn(7)))]
+    assert got[2].stride == (1, 4) and got[0].stride == (6, 1)
+    assert loc.hits == 1  # rows2 only
+
+
+def test_locator_parses_in_full_what_differs_from_the_layout_it_knows():
+    loc = Locator()
+    first = _saved(torch.randn(4, 6))
+    loc.locate(first, "x")
+    # The same bytes, but the storage record's name changed in the central directory (and so
+    # not the one data.pkl names): the known layout must not be taken for it.
+    raw = bytearray(_saved(torch.randn(4, 6)))
+    name = b"archive/data/0"
+    at = raw.rindex(name)  # the central directory's copy of the name
+    raw[at : at + len(name)] = b"archive/data/9"
+    with pytest.raises(IntegrityError, match="not a plain tensor item"):
+        loc.locate(memoryview(bytes(raw)), "bad")
+    assert loc.hits == 0
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/ckptflow-plain-item-ran",))
+
+
+def test_plain_items_read_without_torch_and_nothing_else_is_built(tmp_path):
+    for value in (0.001, (0.9, 0.999), True, None, 3, "adam", [1, 2], {"a": 1.5}):
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        got = plain_item(buf.getvalue())
+        assert got == value and type(got) is type(value)
+    marker = "/tmp/ckptflow-plain-item-ran"
+    if os.path.exists(marker):
+        os.remove(marker)
+    buf = io.BytesIO()
+    torch.save(_Evil(), buf, pickle_protocol=2)
+    assert plain_item(buf.getvalue()) is NOT_PLAIN
+    assert not os.path.exists(marker)
+    assert plain_item(_saved(torch.ones(2)).tobytes()) is NOT_PLAIN  # a storage: torch's own loader
+    assert plain_item(pickle.dumps(1.0)) is NOT_PLAIN  # not a torch.save zip at all
+
+
+@pytest.mark.slow
+def test_ranks_agree_to_fall_back_when_only_one_rank_read_a_bad_file(tmp_path):
+    """At the saving world size rank 1 alone reads ``__1_0.distcp``: with a flipped byte there
+    rank 1's load fails while rank 0's succeeds, and both must move to the older checkpoint
+    together (no DCP collective gathers the errors any more), with rank 1's reason in rank 0's log."""
+    args = ["--ckpt-root", str(tmp_path), "--run-id", "r", "--model", "tiny", "--parallel", "fsdp"]
+    r = run_torchrun([*args, "--max-steps", "2", "--save-every", "1"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = os.path.join(tmp_path, "r")
+    flip_byte(os.path.join(step_dir(run, 2), "__1_0.distcp"))
+    again = run_torchrun([*args, "--max-steps", "3", "--save-every", "1"], timeout=240)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {step_dir(run, 1)}" in again.stderr
+    skipped = [ln for ln in again.stderr.splitlines() if "resume: skipping" in ln]
+    assert any("rank 1:" in ln and "checksum" in ln for ln in skipped), skipped
