@@ -14,7 +14,9 @@ Then, alternating so all see the same machine state, each ``--reps`` times:
   and fills the model (``trainer/reader.py``);
 * **DCP's own path, warm**: ``verify_checkpoint`` (read + hash) then ``dcp.load`` with its
   ``FileSystemReader`` (reads again, ``torch.load`` per item): what a resume cost before;
-* **resharding load, warm**: the world-size-2 checkpoint into this one process.
+* **resharding load, warm**: the world-size-2 checkpoint into this one process;
+* **first load, warm**: into a model and optimizer built just before (not timed), as a resume
+  into a fresh process has them: the optimizer without state yet.
 """
 
 from __future__ import annotations
@@ -134,6 +136,13 @@ def run(one: str, two: str, model: str, reps: int) -> dict:
         target.pop("ranks", None)  # sized from the metadata only by our reader; the rest is what DCP reads
         dcp.load(target, checkpoint_id=one, process_group=env.ckpt_group)
 
+    def fresh() -> None:
+        nb = build(TrainConfig(model=ModelConfig.preset(model).to_dict(), parallel="none").to_dict(), parallel="none")
+        raw_read(files)  # warm
+        t0 = time.perf_counter()
+        load_verified(one, m1, env=env, model=nb.model, optimizer=nb.optimizer, scheduler=nb.scheduler)
+        t.setdefault("first_warm", []).append(time.perf_counter() - t0)
+
     for _ in range(reps):
         timed("raw_cold", lambda: raw_read(files), cold=True)
         timed("ours_cold", lambda: ours(one, m1), cold=True)
@@ -141,6 +150,7 @@ def run(one: str, two: str, model: str, reps: int) -> dict:
         timed("ours_warm", lambda: ours(one, m1))
         timed("dcp_warm", dcp_path)
         timed("reshard_warm", lambda: ours(two, m2))
+        fresh()
     med = {k: statistics.median(v) for k, v in t.items()}
     mbs = {k: nbytes / v / 1e6 for k, v in med.items()}
     return {
@@ -168,6 +178,10 @@ def report(res: dict) -> None:
     )
     print(f"  DCP's path (verify + dcp.load) {r['dcp_warm']:7.0f}  ckptflow is {r['ours_warm'] / r['dcp_warm']:.1f}x")
     print(f"  resharding load (2 -> 1), warm {r['reshard_warm']:7.0f}")
+    print(
+        f"  first load (fresh objects), warm {r['first_warm']:5.0f}  {r['first_warm'] / r['verified_raw_warm']:.2f}x "
+        "verified raw warm"
+    )
     print(f"  resident before the cold reads: {res['resident_before_cold']}")
 
 

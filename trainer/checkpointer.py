@@ -704,6 +704,9 @@ class CheckpointManager:
         env, topo = self.env, self.topology
 
         def needs(step_dir: str, manifest: Manifest) -> set[str]:
+            from ckptflow.trainer.dcpmeta import read_dcp_metadata
+
+            md = read_dcp_metadata(step_dir)  # what files_read parses anyway; also sizes the optimizer's state
             target = load_target(
                 manifest,
                 env=env,
@@ -713,8 +716,9 @@ class CheckpointManager:
                 scaler=self.scaler,
                 sampler=self.sampler,
                 extra=self.extra,
+                metadata=md,
             )
-            return files_read(step_dir, target)
+            return files_read(step_dir, target, md)
 
         rep = resume_point(self.run_path, topo, env.ckpt_group, needs=needs)
         if env.rank == 0:

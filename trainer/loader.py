@@ -25,6 +25,7 @@ from ckptflow.trainer.state import (
     apply_loaded_state,
     buffer_keys,
     build_load_target,
+    prefill_optimizer_state,
     reseed_rng,
     restore_rng,
     rng_key,
@@ -58,6 +59,8 @@ def load_target(
 ) -> dict[str, Any]:
     """The state dict ``dcp.load`` fills for this rank (its structure decides what is read).
     ``metadata``: DCP's (parsed by the restricted reader), for the sizes of the per-rank entries."""
+    if optimizer is not None:
+        prefill_optimizer_state(model, optimizer, metadata)
     sizes = {}
     if metadata is not None:
         for fqn, md in metadata.state_dict_metadata.items():
@@ -75,7 +78,7 @@ def load_target(
     )
 
 
-def files_read(step_dir: str, target: dict[str, Any]) -> set[str]:
+def files_read(step_dir: str, target: dict[str, Any], metadata: Any = None) -> set[str]:
     """The files a ``dcp.load`` of ``target`` from ``step_dir`` reads on this rank: DCP's own
     load plan (so resharding at another world size is accounted for), with ``.metadata``
     parsed by the restricted reader — call it only once ``.metadata`` matched its manifest."""
@@ -83,7 +86,7 @@ def files_read(step_dir: str, target: dict[str, Any]) -> set[str]:
     from ckptflow.trainer.dcpmeta import read_dcp_metadata
     from ckptflow.trainer.reader import SafeLoadPlanner
 
-    md = read_dcp_metadata(step_dir)
+    md = metadata if metadata is not None else read_dcp_metadata(step_dir)
     planner = SafeLoadPlanner()  # DCP's plan, item for item (tests/test_fastload.py), built faster
     planner.set_up_planner(target, md, is_coordinator=False)
     plan = planner.create_local_plan()

@@ -197,6 +197,51 @@ def build_load_target(
     return target
 
 
+OPTIM_STATE = "optim.state."
+"""How DCP's flattened keys of optimizer state begin: ``optim.state.<parameter fqn>.<state key>``."""
+
+
+def prefill_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metadata: Any) -> bool:
+    """Give an optimizer that has no state yet the state tensors the checkpoint holds, uninitialised,
+    for the load to fill. True if it did.
+
+    Without state, DCP's ``get_state_dict`` runs a whole optimizer step on zero gradients (with the
+    learning rate at 0) to make the optimizer allocate its state: 467 ms of a fresh process's first
+    load of the small model here, against ~60 ms for reading and verifying all 167 MB. The
+    checkpoint's metadata says which state each parameter has, its dtype and size; a tensor of the
+    parameter's size is made like the parameter (a DTensor with its placements under FSDP2), a
+    0-dim one (Adam's ``step``) as a plain scalar. Anything else — state of another size, a
+    non-tensor value, a name no parameter of this optimizer has — leaves the optimizer untouched and
+    DCP's own way runs. The load then overwrites every one of these tensors, or fails, and resume
+    raises unless an older checkpoint loads (which overwrites them all)."""
+    if optimizer.state or metadata is None:
+        return False
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    names = {_plain_name(n): p for n, p in model.named_parameters() if id(p) in params}
+    state: dict[Any, dict[str, torch.Tensor]] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if not fqn.startswith(OPTIM_STATE):
+            continue
+        name, _, key = fqn[len(OPTIM_STATE) :].rpartition(".")
+        p = names.get(name)
+        if p is None or not isinstance(md, TensorStorageMetadata):
+            return False
+        dtype = md.properties.dtype
+        if tuple(md.size) == tuple(p.shape):
+            t = torch.empty_like(p, dtype=dtype, requires_grad=False)
+        elif len(md.size) == 0:
+            t = torch.zeros((), dtype=dtype)
+        else:
+            return False
+        state.setdefault(p, {})[key] = t
+    if not state:
+        return False
+    optimizer.state.update(state)
+    return True
+
+
 def states_equal(a: Any, b: Any) -> bool:
     """Deep equality of two state dicts (tensors bitwise)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
