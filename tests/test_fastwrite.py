@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import textwrap
 import warnings
 import zipfile
 
@@ -15,6 +16,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystem
 from ckptflow.trainer import fastwrite, zipfmt
 from ckptflow.trainer.checksum import digest_file, hash_bytes, hash_file
 from ckptflow.trainer.dcpmeta import read_dcp_metadata
+from tests.helpers import run_script, script_result
 from tests.test_directio import directio_works
 
 TENSORS = {
@@ -165,3 +167,64 @@ def test_without_crc32_torch_still_loads_it_and_the_digest_still_covers_it():
     assert out.hasher.hexdigest() == hash_bytes(got)
     # The trade-off CheckpointConfig.zip_crc32 documents: zip tools call the data record damaged.
     assert zipfile.ZipFile(io.BytesIO(got)).testzip() == fastwrite.DATA_RECORD
+
+
+DTENSORS = textwrap.dedent("""
+    import json, os, warnings
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from ckptflow.trainer import fastwrite
+    from ckptflow.trainer.dcpmeta import read_dcp_metadata
+    from ckptflow.trainer.distenv import init_distributed
+
+    env = init_distributed()
+    mesh = init_device_mesh("cpu", (1,))
+    torch.manual_seed(0)
+    sd = {"s": distribute_tensor(torch.randn(64, 33), mesh, [Shard(0)]),
+          "r": distribute_tensor(torch.randn(5), mesh, [Replicate()]), "p": torch.randn(7)}
+    calls = []
+    to_local = DTensor.to_local
+    DTensor.to_local = lambda self, *a, **k: (calls.append(1), to_local(self, *a, **k))[1]
+
+    class Looked(DefaultSavePlanner):  # its own look-up: the writer must ask it
+        def lookup_object(self, index):
+            calls.append("planner")
+            return super().lookup_object(index)
+
+    root = os.environ["ROOT"]
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name, writer, planner in (
+            ("ours", fastwrite.HashingWriter(os.path.join(root, "ours")), None),
+            ("theirs", FileSystemWriter(os.path.join(root, "theirs")), None),
+            ("looked", fastwrite.HashingWriter(os.path.join(root, "looked")), Looked()),
+        ):
+            calls.clear()
+            dcp.save(sd, storage_writer=writer, planner=planner, process_group=env.ckpt_group)
+            out[name] = {"to_local": calls.count(1), "planner": calls.count("planner")}
+    md = {n: read_dcp_metadata(os.path.join(root, n)) for n in ("ours", "theirs")}
+    out["same_layout"] = {k: (v.offset, v.length) for k, v in md["ours"].storage_data.items()} == {
+        k: (v.offset, v.length) for k, v in md["theirs"].storage_data.items()}
+    back = {"s": distribute_tensor(torch.zeros(64, 33), mesh, [Shard(0)]),
+            "r": distribute_tensor(torch.zeros(5), mesh, [Replicate()]), "p": torch.zeros(7)}
+    dcp.load(back, checkpoint_id=os.path.join(root, "ours"), process_group=env.ckpt_group)
+    out["loads"] = all(torch.equal(back[k].full_tensor() if isinstance(back[k], DTensor) else back[k],
+                                   sd[k].full_tensor() if isinstance(sd[k], DTensor) else sd[k]) for k in sd)
+    print("RESULT " + json.dumps(out))
+""")
+
+
+def test_dtensor_shards_are_written_without_to_local_and_stay_standard(tmp_path):
+    r = run_script(DTENSORS, {"ROOT": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = script_result(r.stdout)
+    # DCP's planning calls to_local() once per DTensor either way; its writer once more per DTensor
+    # written, ckptflow's takes the local shard as it is.
+    assert res["theirs"]["to_local"] == res["ours"]["to_local"] + 2
+    assert res["looked"] == {"to_local": res["theirs"]["to_local"], "planner": 3}  # its own look-up is asked
+    assert res["same_layout"] and res["loads"]

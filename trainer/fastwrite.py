@@ -40,13 +40,16 @@ import struct
 import threading
 import zlib
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any, cast
 
 import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemWriter, SerializationFormat, _StorageInfo
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from ckptflow.trainer import zipfmt
@@ -236,8 +239,9 @@ class HashingWriter(FileSystemWriter):
                 off = out.tell()
                 out.write(data.getbuffer())
                 results.append(_result(wi, storage_key, off, out.tell() - off))
+            resolve = _resolver(planner)
             for wi in (w for w in items if w.type != WriteItemType.BYTE_IO):
-                t = cast(torch.Tensor, planner.resolve_data(wi)).detach().cpu()
+                t = resolve(wi).detach().cpu()
                 if t.untyped_storage().nbytes() != t.nbytes:  # as DCP: a view saves only itself
                     t = t.clone()
                 off = out.tell()
@@ -257,6 +261,30 @@ class HashingWriter(FileSystemWriter):
             self.items_templated += templated
             self.items_saved += sum(w.type != WriteItemType.BYTE_IO for w in items) - templated
         return results
+
+
+def _resolver(planner: SavePlanner) -> Callable[[WriteItem], torch.Tensor]:
+    """``planner.resolve_data`` for tensor items. For DCP's default planner (unless a subclass
+    changed how it looks items up), a ``DTensor``'s local shard is taken as it is instead of
+    through ``to_local()``, an autograd function: DCP's look-up took 10-14 ms of each save's CPU
+    on rank 0 for the small model (335 items), 3-4 ms this way. Anything else goes through the
+    planner."""
+    names = ("resolve_data", "lookup_object", "transform_object")
+    if not isinstance(planner, DefaultSavePlanner) or any(
+        getattr(type(planner), n) is not getattr(DefaultSavePlanner, n) for n in names
+    ):
+        return lambda wi: cast(torch.Tensor, planner.resolve_data(wi))
+    flat: dict[str, Any] = planner.state_dict
+
+    def resolve(wi: WriteItem) -> torch.Tensor:
+        obj = flat.get(wi.index.fqn)
+        if isinstance(obj, DTensor) and not any(p.is_partial() for p in obj.placements):
+            local = getattr(obj, "_local_tensor", None)
+            if type(local) is torch.Tensor:
+                return local
+        return cast(torch.Tensor, planner.resolve_data(wi))
+
+    return resolve
 
 
 def _nbytes(wi: WriteItem) -> int:
