@@ -10,20 +10,25 @@ stay standard DCP, vanilla PyTorch still reads them — differently:
 * data files: mapped, and verified block by block against the block digests the manifest
   records (``trainer/verifiedcopy.py``), on every core; each block's bytes are copied to their
   destination tensors as soon as that block matched, while they are in cache — never before.
-  A block that does not match fails the load (DCP raises on every rank; resume falls back to an
-  older checkpoint, as for a bad checksum, and that load overwrites every destination). Files
+  A block that does not match fails the load (on every rank: ``loader.load_local`` agrees on
+  the outcome; resume falls back to an older checkpoint, as for a bad checksum, and that load
+  overwrites every destination). Files
   listed without block digests (older manifests) are verified whole, then copied;
 * tensor items (each a ``torch.save`` zip): located in the zip without unpickling
-  (``trainer/tensoritem.py``), copied byte range by byte range where saved and wanted layouts
+  (``trainer/tensoritem.py``; items laid out like one already seen in this load from its
+  layout, checked), copied byte range by byte range where saved and wanted layouts
   line up, else through a view narrowed to the wanted chunk (resharding);
 * byte items (plain Python values DCP keeps as ``torch.save`` pickles, such as an optimizer's
-  learning rates): ``torch.load(weights_only=True)``, PyTorch's own restricted loader, with
+  learning rates): an unpickler that builds plain values only (``tensoritem.plain_item``); what
+  it refuses goes to ``torch.load(weights_only=True)``, PyTorch's own restricted loader, with
   numpy's array rebuilders allowed for checkpoints written before state layout 2.
 
-Cold files: each is read front to back by a streaming thread (``verifiedcopy.Streamer``) so
-the disk sees one sequential stream, and the pages holding every item's zip records are asked
-for all at once before the items are located. At the saving world size both start for the
-rank's own files as soon as ``.metadata`` is read, while DCP plans the load (``prefetch``).
+Cold files: each is brought into the page cache front to back by a streaming thread
+(``verifiedcopy.Streamer``, ``sendfile`` to ``/dev/null``) so the disk sees one sequential
+stream, and the pages holding every item's zip records are asked for all at once before the
+items are located. At the saving world size both start for the rank's own files as soon as
+``.metadata`` is read, while the load is planned (``prefetch``). The mappings are closed on a
+thread of their own once the load is done (:meth:`VerifiedReader.unmap`).
 """
 
 from __future__ import annotations
