@@ -87,7 +87,7 @@ NOT_PLAIN = object()
 def plain_item(item: bytes | memoryview) -> Any:
     """The plain Python value (a number, string, tuple of them... — what an optimizer's
     hyperparameters are) a DCP byte item holds, or :data:`NOT_PLAIN`. ``torch.load``'s restricted
-    loader takes ~200 us an item (26 items: 5 ms of a load); this one reads the zip's ``data.pkl``
+    loader took 86 us an item here against 14 us for this one, which reads the zip's ``data.pkl``
     with an unpickler that can build nothing else."""
     try:
         entries = zipfmt.entries(item)
