@@ -18,6 +18,7 @@ Never imported by the library (trainer, tasks, flows); only standard library at 
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -46,9 +47,40 @@ class HarnessError(CkptflowError, RuntimeError):
 # ---- ports and readiness ------------------------------------------------------------------
 
 
+_PORTS_FROM = 10000
+"""Lowest port :func:`free_port` hands out; below it lie well-known services' ports."""
+
+
+def _ephemeral_start() -> int:
+    """Where the kernel's ephemeral range starts (the ports it gives outgoing connections)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
+    """A TCP port on 127.0.0.1 that was free a moment ago, chosen below the ephemeral range.
+
+    A port from ``bind(0)`` comes from the range the kernel also gives every outgoing
+    connection: in the seconds between picking it and a child (a torchrun agent importing
+    torch) binding it, any client socket on the machine can take it. A CI run lost a
+    two-node test that way: no rendezvous, no training, nothing in 120 s. Ports below the
+    ephemeral range are never taken by a client, only by a listener that asks for them.
+    """
+    top = _ephemeral_start()
+    if top - _PORTS_FROM >= 1000:
+        pick = random.SystemRandom()
+        for _ in range(100):
+            port = pick.randrange(_PORTS_FROM, top)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
+    with socket.socket() as s:  # no room below the ephemeral range: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 

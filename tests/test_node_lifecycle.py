@@ -299,6 +299,9 @@ def test_a_replaced_node_s_steps_finish_from_replicas(deployed, tmp_path, s3_end
         while not any(x["step"] == 4 for x in _commits(roots)) and time.monotonic() < deadline:
             time.sleep(0.1)
         first = _commits(roots)
+        assert any(x["step"] == 4 for x in first), "step 4 was never committed:\n" + "\n".join(
+            nodes.output(i)[-3000:] for i in range(2)
+        )
         nodes.kill(1)
         nodes.kill(0)
         nodes.wait(60)
