@@ -118,13 +118,15 @@ class VerifiedReader(FileSystemReader):
     # -- StorageReader ------------------------------------------------------------------
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._md is None:
-            data = bytes(self._read_whole(layout.DCP_METADATA, limit=MAX_METADATA_BYTES))
-            self._md = loads_dcp_metadata(data, source=os.path.join(self.ckpt_dir, layout.DCP_METADATA))
+            # The rank's own files first: their pages are mapped (or streamed from disk) on other
+            # threads while this one parses .metadata and the load is planned.
             for name in self._prefetch:
                 try:
                     self._mapped(name)
                 except IntegrityError:
                     pass  # read_data reports it, if the load reads that file at all
+            data = bytes(self._read_whole(layout.DCP_METADATA, limit=MAX_METADATA_BYTES))
+            self._md = loads_dcp_metadata(data, source=os.path.join(self.ckpt_dir, layout.DCP_METADATA))
             self._ask_for_records(self._prefetch)
         return self._md
 
@@ -285,7 +287,8 @@ class VerifiedReader(FileSystemReader):
         if name not in self._maps:
             self._maps[name] = self._map(name)
             if len(self._maps[name]):  # a cold file streams from disk in order (a warm one: skipped)
-                self._streams.append(Streamer(self._path(name), len(self._maps[name])))
+                data = self._maps[name]
+                self._streams.append(Streamer(self._path(name), len(data), data))
         return self._maps[name]
 
     def _path(self, name: str) -> str:
