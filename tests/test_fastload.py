@@ -292,3 +292,90 @@ def test_a_warm_file_s_pages_are_mapped_into_the_process_by_the_streamer(tmp_pat
     # Every FAULT_AROUND bytes were read; each fault mapped that many resident bytes.
     assert _mapped_kib(addr) >= (8 << 10) - FAULT_AROUND // 1024, "the streamer left pages unmapped"
     data.close()
+
+
+def _net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.BatchNorm1d(5), torch.nn.Linear(5, 3))
+
+
+def _stepped(net: torch.nn.Module) -> torch.optim.Optimizer:
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+    net(torch.randn(4, 6)).sum().backward()
+    opt.step()
+    return opt
+
+
+def _filled(model_sd: dict, optim_sd: dict, seed: int) -> None:
+    """What a dcp.load does to the target: every tensor overwritten in place."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in [*model_sd.values(), *(v for s in optim_sd["state"].values() for v in s.values())]:
+            if t.is_floating_point():
+                t.copy_(torch.randn(t.shape, generator=g))
+            else:
+                t.add_(7)
+
+
+def test_state_dicts_load_in_place_as_dcps_set_state_dict_does():
+    """``StateDicts.set`` keeps ``get``'s name mapping and, for a plain model loaded in place,
+    skips DCP's walk: the model and optimizer end exactly as DCP's ``set_state_dict`` leaves
+    them — also for an entry that is a new tensor (a rank's own BatchNorm statistics)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from ckptflow.trainer.dsd import StateDicts
+
+    ours, theirs = _net(), _net()
+    o_ours, o_theirs = _stepped(ours), _stepped(theirs)
+    states = StateDicts(ours, o_ours)
+    msd, osd = states.get()
+    ref_msd, ref_osd = get_state_dict(theirs, o_theirs)
+    assert msd.keys() == ref_msd.keys() and osd.keys() == ref_osd.keys()
+    _filled(msd, osd, 1)
+    _filled(ref_msd, ref_osd, 1)
+    own = torch.full((5,), 3.0)
+    msd["1.running_mean"], ref_msd["1.running_mean"] = own, own.clone()
+    states.set(msd, osd)
+    set_state_dict(theirs, o_theirs, model_state_dict=ref_msd, optim_state_dict=ref_osd)
+    assert states.skipped_walk
+    for (k, a), (k2, b) in zip(ours.state_dict().items(), theirs.state_dict().items(), strict=True):
+        assert k == k2 and torch.equal(a, b), k
+    assert torch.equal(ours[1].running_mean, own)
+    sa, sb = o_ours.state_dict(), o_theirs.state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    for p in sa["state"]:
+        for k in sa["state"][p]:
+            assert torch.equal(sa["state"][p][k], sb["state"][p][k]), (p, k)
+
+
+class _Versioned(torch.nn.Linear):
+    """A module with its own loading (as quantised or legacy-compatible modules have)."""
+
+    calls = 0
+
+    def _load_from_state_dict(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        type(self).calls += 1
+        return super()._load_from_state_dict(*args, **kwargs)
+
+
+def test_state_dicts_leave_a_model_with_its_own_loading_to_dcp():
+    from ckptflow.trainer.dsd import StateDicts
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(_Versioned(4, 4), torch.nn.Linear(4, 2))
+    states = StateDicts(net, _stepped_any(net))
+    msd, osd = states.get()
+    _filled(msd, osd, 2)
+    want = {k: v.clone() for k, v in msd.items()}
+    _Versioned.calls = 0
+    states.set(msd, osd)
+    assert not states.skipped_walk and _Versioned.calls == 1
+    for k, v in net.state_dict().items():
+        assert torch.equal(v, want[k]), k
+
+
+def _stepped_any(net: torch.nn.Module) -> torch.optim.Optimizer:
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+    net(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    return opt

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ckptflow.trainer.distenv import DistEnv
+from ckptflow.trainer.dsd import StateDicts
 from ckptflow.trainer.errors import ConfigError, IntegrityError
 from ckptflow.trainer.manifest import Manifest
 from ckptflow.trainer.safetree import decode
@@ -56,9 +57,11 @@ def load_target(
     sampler: Any = None,
     extra: Any = None,
     metadata: Any = None,
+    states: StateDicts | None = None,
 ) -> dict[str, Any]:
     """The state dict ``dcp.load`` fills for this rank (its structure decides what is read).
-    ``metadata``: DCP's (parsed by the restricted reader), for the sizes of the per-rank entries."""
+    ``metadata``: DCP's (parsed by the restricted reader), for the sizes of the per-rank entries.
+    ``states``: kept for ``apply_loaded_state`` of the same load (``trainer/dsd.py``)."""
     if optimizer is not None:
         prefill_optimizer_state(model, optimizer, metadata)
     sizes = {}
@@ -75,6 +78,7 @@ def load_target(
         layout=int(manifest.state.get("layout", 1)),
         train=train_state(0, scheduler=scheduler, scaler=scaler, sampler=sampler, extra=extra),
         entry_bytes=sizes,
+        states=states,
     )
 
 
@@ -128,6 +132,8 @@ def load_verified(
     # reference counting as it goes; pausing the collector skips the passes, not the freeing.
     gc_was = gc.isenabled()
     gc.disable()
+    layout1 = int(manifest.state.get("layout", 1)) == 1
+    states = StateDicts(model, optimizer) if optimizer is not None and not layout1 else None
     try:
         try:
             md = reader.read_metadata()
@@ -143,6 +149,7 @@ def load_verified(
             sampler=sampler,
             extra=extra,
             metadata=md,
+            states=states,
         )
         failed = load_local(target, reader, SafeLoadPlanner(), env)
         if failed is not None:
@@ -156,7 +163,7 @@ def load_verified(
         reader.unmap()
         if gc_was:
             gc.enable()
-    if int(manifest.state.get("layout", 1)) == 1:
+    if layout1:
         return _apply_layout1(
             target,
             manifest,
@@ -178,7 +185,7 @@ def load_verified(
         for k in buffer_keys(model, target["model"]):
             if k in own["buffers"] and isinstance(target["model"][k], torch.Tensor):
                 target["model"][k] = own["buffers"][k]
-    apply_loaded_state(target, model=model, optimizer=optimizer)
+    apply_loaded_state(target, model=model, optimizer=optimizer, states=states)
     tr = own if own is not None else per.get(0) or {}  # scheduler, scaler: the same on every rank
     for obj, key in ((scheduler, "scheduler"), (scaler, "scaler")):
         if obj is not None and tr.get(key) is not None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import copy
 import random
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -35,6 +35,9 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
+
+if TYPE_CHECKING:
+    from ckptflow.trainer.dsd import StateDicts
 
 
 def capture_rng() -> dict[str, Any]:
@@ -171,15 +174,18 @@ def build_load_target(
     layout: int = LAYOUT,
     train: dict[str, Any] | None = None,
     entry_bytes: dict[str, int] | None = None,
+    states: StateDicts | None = None,
 ) -> dict[str, Any]:
     """A state dict of the right structure for ``dcp.load`` to fill in place.
 
     Layout 2: at the saving world size each rank reads its own per-rank entry; at another
     world size every rank reads every saved rank's (to decide what a resharded rank gets).
     ``entry_bytes``: the size of each ``ranks.rank<r>`` entry (from DCP's metadata).
+    ``states``: the load's :class:`~ckptflow.trainer.dsd.StateDicts` (then ``apply_loaded_state``
+    gets it too).
     """
     if optimizer is not None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = states.get() if states is not None else get_state_dict(model, optimizer)
         target: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     else:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -262,9 +268,15 @@ def states_equal(a: Any, b: Any) -> bool:
 
 
 def apply_loaded_state(
-    loaded: dict[str, Any], *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+    loaded: dict[str, Any],
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    states: StateDicts | None = None,
 ) -> None:
-    if optimizer is not None:
+    if states is not None:
+        states.set(loaded["model"], loaded["optim"])
+    elif optimizer is not None:
         set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
     else:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
