@@ -41,11 +41,13 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
@@ -93,6 +95,7 @@ class VerifiedReader(FileSystemReader):
         self._pool: Pool | None = None
         self._maps: dict[str, Any] = {}
         self._streams: list[Streamer] = []
+        self._warm: set[str] = set()  # files found in the page cache when mapped
         self._verified: queue.SimpleQueue = queue.SimpleQueue()  # (block, error or None), one per block
         self.bytes_read = 0
         self.read_seconds = 0.0
@@ -135,7 +138,9 @@ class VerifiedReader(FileSystemReader):
         all at once: locating the items then reads no cold page one fault at a time (a cold
         medium load spent ~0.45 s there), and the items' data streams behind them."""
         assert self._md is not None
-        wanted = {n for n in names if n in self._maps}
+        wanted = {n for n in names if n in self._maps and n not in self._warm}  # (2 system calls an item)
+        if not wanted:
+            return
         for info in self._md.storage_data.values():
             if info.relative_path in wanted:
                 data = self._maps[info.relative_path]
@@ -288,7 +293,10 @@ class VerifiedReader(FileSystemReader):
             self._maps[name] = self._map(name)
             if len(self._maps[name]):  # a cold file streams from disk in order (a warm one: skipped)
                 data = self._maps[name]
-                self._streams.append(Streamer(self._path(name), len(data), data))
+                st = Streamer(self._path(name), len(data), data)
+                self._streams.append(st)
+                if st.warm:
+                    self._warm.add(name)
         return self._maps[name]
 
     def _path(self, name: str) -> str:
@@ -322,6 +330,17 @@ class VerifiedReader(FileSystemReader):
             raise IntegrityError(f"{path}: missing", path=path) from None
 
 
+def _plain_tree(obj: Any) -> bool:
+    """Whether no leaf of a state dict is a ShardedTensor or on the meta device."""
+    if isinstance(obj, Mapping):
+        return all(_plain_tree(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return all(_plain_tree(v) for v in obj)
+    if isinstance(obj, ShardedTensor):
+        return False
+    return not (isinstance(obj, torch.Tensor) and obj.is_meta)
+
+
 def _close_maps(maps: list[mmap.mmap]) -> None:
     for m in maps:
         try:
@@ -333,6 +352,20 @@ def _close_maps(maps: list[mmap.mmap]) -> None:
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's planner, but byte items come back through PyTorch's restricted loader, and a tensor
     whose wanted chunk is exactly one saved chunk is planned without DCP's resharding sweep."""
+
+    def set_up_planner(self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
+        """DCP's, without the two passes that change nothing for a state dict without meta tensors
+        or ShardedTensors (materialising meta tensors; splitting ShardedTensors into their local
+        shards: a rebuilt copy of the same dict otherwise, ~2 ms of a 309-item load here)."""
+        if not _plain_tree(state_dict):
+            super().set_up_planner(state_dict, metadata, is_coordinator)
+            return
+        self.original_state_dict = state_dict
+        if self.flatten_state_dict:
+            state_dict, self.mappings = flatten_state_dict(state_dict)
+        self.state_dict = state_dict
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> LoadPlan:
         """DCP's plan, item for item. Its general path costs ~15 us an item (chunk lists, sweep,

@@ -297,7 +297,7 @@ class Streamer:
         self._path, self._size, self._data = path, size, data
         # Decided on the caller's thread: each system call made on the streaming thread waits for
         # the GIL after it, up to 5 ms while the caller plans the load.
-        self._warm = data is not None and _looks_resident(path, size)
+        self.warm = data is not None and _looks_resident(path, size)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ckptflow-stream", daemon=True)
         self._thread.start()
@@ -309,7 +309,7 @@ class Streamer:
             return  # the load reports it
         sink = _null()
         try:
-            if self._warm:
+            if self.warm:
                 _map_pages(self._data)
                 return
             probe = memoryview(bytearray(4096))
