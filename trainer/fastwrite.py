@@ -115,14 +115,14 @@ def _make_template(t: torch.Tensor) -> _Template | None:
     if e is None or len(ents) < 2 or e.size != t.untyped_storage().nbytes():
         return None  # not the one-storage container this module knows
     end = e.data + e.size
-    crc_in_prefix, crc_in_suffix = [], [e.central + 16 - end]
+    crc_in_prefix, crc_in_suffix = [], [e.central + zipfmt.CENTRAL_CRC - end]
     (flags,) = struct.unpack_from("<H", raw, e.local + 6)
     if flags & 0x8:  # streamed: the CRC follows the data, in a descriptor (miniz writes one)
         if bytes(raw[end : end + 4]) != b"PK\x07\x08":
             return None
         crc_in_suffix.append(4)
     else:
-        crc_in_prefix.append(e.local + 14)
+        crc_in_prefix.append(e.local + zipfmt.LOCAL_CRC)
     return _Template(bytes(raw[: e.data]), bytes(raw[end:]), crc_in_prefix, crc_in_suffix)
 
 

@@ -150,14 +150,15 @@ class Locator:
     Parsing an item's zip costs ~20 us of Python (seven records); a load of 309 items spent ~6 ms
     there. Items of the same length whose zip end records are equal were written by the same
     ``torch.save`` of a tensor of the same layout, so after the first such item the others are
-    located from its layout, checked where it matters: the central directory records of
-    ``data.pkl`` and of the storage are where the layout says, under the same names and sizes,
-    pointing at the same data, and ``data.pkl`` holds the same bytes (four reads instead of
-    fourteen). Any difference parses the item in full. One per load: nothing carries over.
+    located from its layout, checked byte for byte where it matters: the central directory
+    records and local headers of ``data.pkl`` and of the storage, which hold every name, size
+    and offset the parse would read, are the same bytes at the same places (but for the
+    storage's CRC-32, which differs with its data), and so is ``data.pkl``. Any difference
+    parses the item in full. One per load: nothing carries over.
     """
 
     def __init__(self) -> None:
-        self._layouts: dict[tuple[int, bytes], tuple[TensorItem, zipfmt.Entry, str, bytes, zipfmt.Entry, str]] = {}
+        self._layouts: dict[tuple[int, bytes], tuple[TensorItem, list[tuple[int, int, bytes]]]] = {}
         self.hits = 0
 
     def locate(self, item: memoryview, source: str) -> TensorItem:
@@ -166,26 +167,25 @@ class Locator:
         except ValueError:
             return tensor_item(item, source)  # reports what is wrong with it
         known = self._layouts.get(key)
-        if known is not None and _same_layout(item, *known[1:]):
+        if known is not None and all(item[a:b] == want for a, b, want in known[1]):
             self.hits += 1
             return known[0]
-        ti, pkl_name, pkl, data_name, data = _parse(item, source)
-        self._layouts[key] = (ti, pkl, pkl_name, bytes(item[pkl.data : pkl.data + pkl.size]), data, data_name)
+        ti, _, pkl, _, data = _parse(item, source)
+        self._layouts[key] = (ti, _layout_bytes(item, pkl, data))
         return ti
 
 
-def _same_layout(
-    item: memoryview, pkl: zipfmt.Entry, pkl_name: str, pkl_bytes: bytes, data: zipfmt.Entry, data_name: str
-) -> bool:
-    try:
-        if zipfmt.record(item, pkl.central)[:2] != (pkl_name, pkl) or zipfmt.record(item, data.central)[:2] != (
-            data_name,
-            data,
-        ):
-            return False
-    except (ValueError, struct.error, UnicodeDecodeError):
-        return False
-    return item[pkl.data : pkl.data + pkl.size] == pkl_bytes
+def _layout_bytes(item: memoryview, pkl: zipfmt.Entry, data: zipfmt.Entry) -> list[tuple[int, int, bytes]]:
+    """The byte ranges a same-layout item has equal to ``item``: ``data.pkl``'s records and bytes
+    whole, the storage's records but for their CRC-32 fields."""
+    out = []
+    for e, crc in ((pkl, None), (data, (zipfmt.LOCAL_CRC, zipfmt.CENTRAL_CRC))):
+        spans = [(e.local, e.data), (e.central, zipfmt.record_end(item, e.central))]
+        for (a, b), at in zip(spans, crc or (None, None), strict=True):
+            cut = [(a, b)] if at is None else [(a, a + at), (a + at + 4, b)]
+            out += [(x, y, bytes(item[x:y])) for x, y in cut]
+    out.append((pkl.data, pkl.data + pkl.size, bytes(item[pkl.data : pkl.data + pkl.size])))
+    return out
 
 
 def tensor_item(item: memoryview, source: str) -> TensorItem:

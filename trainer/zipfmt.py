@@ -14,14 +14,20 @@ _CEN = struct.Struct("<4s6H3I5HII")  # a central directory record's 46 fixed byt
 _LOC = struct.Struct("<4s22xHH")  # a local header's signature and its name and extra lengths
 
 
+LOCAL_CRC = 14
+"""Where a local header keeps its entry's CRC-32."""
+CENTRAL_CRC = 16
+"""Where a central directory record keeps it."""
+
+
 class Entry(NamedTuple):
     data: int
     """Offset of the entry's first data byte."""
     size: int
     local: int
-    """Offset of its local header (CRC at +14)."""
+    """Offset of its local header (CRC at ``LOCAL_CRC``)."""
     central: int
-    """Offset of its central directory record (CRC at +16)."""
+    """Offset of its central directory record (CRC at ``CENTRAL_CRC``)."""
 
 
 def entries(buf: memoryview | bytes) -> dict[str, Entry]:
@@ -73,6 +79,12 @@ def record(buf: memoryview | bytes, p: int) -> tuple[str, Entry, int]:
     if start + usize > len(buf):
         raise ValueError(f"{name} runs past the item")
     return name, Entry(start, usize, hoff, p), p + 46 + nlen + xlen + clen
+
+
+def record_end(buf: memoryview | bytes, p: int) -> int:
+    """Where the central directory record at ``p`` ends (its name, extra field and comment included)."""
+    nlen, xlen, clen = struct.unpack_from("<3H", buf, p + 28)
+    return p + 46 + nlen + xlen + clen
 
 
 def _end_record(buf: memoryview | bytes) -> int:
