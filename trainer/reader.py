@@ -41,7 +41,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -230,6 +230,7 @@ class VerifiedReader(FileSystemReader):
         copies: list[Copy] = []
         byte_items: list[tuple[ReadItem, bytes]] = []
         locator = Locator()
+        resolve = _resolver(planner)
         for name, reqs in per_file.items():
             buf = memoryview(maps[name]) if len(maps[name]) else memoryview(b"")
             where = os.path.join(self.ckpt_dir, name)
@@ -248,7 +249,7 @@ class VerifiedReader(FileSystemReader):
                     byte_items.append((req, item.tobytes()))
                     continue
                 ti = locator.locate(item, source)
-                target = planner.resolve_tensor(req).detach()
+                target = resolve(req)
                 if not any(req.storage_offsets) and tuple(req.lengths) == ti.size and ti.contiguous():
                     src = None  # the common case: one run of bytes, no tensor built
                     lo = info.offset + ti.data + ti.offset * ti.dtype.itemsize
@@ -328,6 +329,39 @@ class VerifiedReader(FileSystemReader):
                 return data
         except FileNotFoundError:
             raise IntegrityError(f"{path}: missing", path=path) from None
+
+
+def _resolver(planner: LoadPlanner) -> Callable[[ReadItem], torch.Tensor]:
+    """``planner.resolve_tensor``, detached — looked up directly for a whole plain tensor where the
+    planner resolves as DCP's default does (a dictionary look-up instead of DCP's ``find`` and
+    ``narrow`` helpers, ~3 us an item; a DTensor's local shard is taken as it is, not through
+    ``to_local()``, an autograd function)."""
+
+    def dcps(req: ReadItem) -> torch.Tensor:
+        return planner.resolve_tensor(req).detach()
+
+    if not isinstance(planner, DefaultLoadPlanner) or any(
+        getattr(type(planner), n) is not getattr(DefaultLoadPlanner, n)
+        for n in ("resolve_tensor", "lookup_tensor", "transform_tensor")
+    ):
+        return dcps
+    state_dict = planner.state_dict
+
+    def direct(req: ReadItem) -> torch.Tensor:
+        idx = req.dest_index
+        obj = state_dict.get(idx.fqn)
+        if type(obj) is DTensor and not any(p.is_partial() for p in obj.placements):  # (DCP refuses those)
+            obj = obj._local_tensor
+        if (
+            type(obj) is not torch.Tensor
+            or (idx.offset is not None and any(idx.offset))
+            or any(req.dest_offsets)
+            or tuple(req.lengths) != tuple(obj.shape)
+        ):
+            return dcps(req)  # and its errors
+        return obj.detach() if obj.requires_grad else obj
+
+    return direct
 
 
 def _plain_tree(obj: Any) -> bool:
