@@ -13,7 +13,7 @@ import os
 import pytest
 
 from ckptflow.trainer import directio
-from ckptflow.trainer.directio import ALIGN, DirectFile
+from ckptflow.trainer.directio import ALIGN, MEMMOVE_FROM, DirectFile
 
 BUF = 4 * ALIGN  # a small buffer, so the tests cross its end often
 
@@ -42,7 +42,11 @@ def _write(path, pieces: list[bytes]) -> DirectFile:
     return f
 
 
-@pytest.mark.parametrize("n", [0, 1, ALIGN - 1, ALIGN, ALIGN + 1, BUF - 1, BUF, BUF + 1, 3 * BUF + 17])
+# The last two: writes of MEMMOVE_FROM or more (copied by memmove), across many buffer ends.
+@pytest.mark.parametrize(
+    "n",
+    [0, 1, ALIGN - 1, ALIGN, ALIGN + 1, BUF - 1, BUF, BUF + 1, 3 * BUF + 17, 3 * MEMMOVE_FROM, 7 * MEMMOVE_FROM + 5],
+)
 def test_every_length_comes_out_exact(tmp_path, n):
     data = os.urandom(n)
     cuts = sorted({0, n, n // 3, n // 2, max(0, n - 5)})

@@ -24,11 +24,14 @@ write (``EINVAL``: a device with a larger logical block) has the flag cleared on
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import mmap
 import os
 from typing import Any
+
+import numpy as np
 
 ALIGN = 4096
 """Offsets, lengths and buffer addresses of direct writes are multiples of this: it covers
@@ -36,6 +39,9 @@ devices with 512-byte and 4 KiB logical blocks."""
 
 BUFFER = 4 << 20
 """Bytes gathered per write: large enough that the syscalls cost nothing next to the copy."""
+
+MEMMOVE_FROM = 64 << 10
+"""Writes this large are copied into the buffer without the GIL (smaller: zip records)."""
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _REFUSED = {errno.EINVAL, getattr(errno, "EOPNOTSUPP", errno.EINVAL), getattr(errno, "ENOTSUP", errno.EINVAL)}
@@ -69,6 +75,7 @@ class DirectFile:
         self.path = os.fspath(path)
         self._buf = mmap.mmap(-1, buffer_bytes)  # page-aligned, as O_DIRECT wants
         self._view = memoryview(self._buf)
+        self._addr = _address(self._view)
         self._fill = 0
         self.size = 0
         self._finished = False
@@ -80,11 +87,18 @@ class DirectFile:
         mv = memoryview(data).cast("B")
         n = len(mv)
         cap = len(self._view)
-        while len(mv):
-            take = min(len(mv), cap - self._fill)
-            self._view[self._fill : self._fill + take] = mv[:take]
+        # A tensor's bytes are copied by memmove, which runs without the GIL: a slice assignment
+        # holds it (7 ms of each save here), and the training thread waits for the GIL meanwhile.
+        src = _address(mv) if n >= MEMMOVE_FROM else None
+        off = 0
+        while off < n:
+            take = min(n - off, cap - self._fill)
+            if src is None:
+                self._view[self._fill : self._fill + take] = mv[off : off + take]
+            else:
+                ctypes.memmove(self._addr + self._fill, src + off, take)
             self._fill += take
-            mv = mv[take:]
+            off += take
             if self._fill == cap:
                 self._write_out(cap)
                 self._fill = 0
@@ -138,3 +152,8 @@ class DirectFile:
         fl = fcntl.fcntl(self.fd, fcntl.F_GETFL)
         fcntl.fcntl(self.fd, fcntl.F_SETFL, fl & ~_O_DIRECT)
         self.direct = False
+
+
+def _address(mv: memoryview) -> int:
+    """Where ``mv``'s first byte lies (kept valid by whoever holds ``mv``)."""
+    return int(np.frombuffer(mv, dtype=np.uint8).ctypes.data)
