@@ -379,3 +379,74 @@ def _stepped_any(net: torch.nn.Module) -> torch.optim.Optimizer:
     net(torch.randn(3, 4)).sum().backward()
     opt.step()
     return opt
+
+
+COLD = textwrap.dedent("""
+    import json, os
+    import torch
+    from ckptflow.trainer import reader
+    from ckptflow.trainer.checkpointer import CheckpointConfig, CheckpointManager, Provenance
+    from ckptflow.trainer.distenv import init_distributed
+
+    env = init_distributed()
+    root = os.environ["ROOT"]
+
+    def build(seed):
+        torch.manual_seed(seed)
+        m = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.Linear(512, 64))
+        return m, torch.optim.AdamW(m.parameters(), lr=0.01)
+
+    def manager(m, o):
+        return CheckpointManager(
+            CheckpointConfig(root=root, run_id="cold", interval=1, emit_events=False),
+            model=m, optimizer=o, provenance=Provenance(config={"a": 1}, data_fingerprint="d"), env=env)
+
+    def snapshot(m, o):
+        sd = {k: v.detach().clone() for k, v in m.state_dict().items()}
+        for i, st in o.state_dict()["state"].items():
+            sd |= {f"opt.{i}.{k}": v.clone() for k, v in st.items() if torch.is_tensor(v)}
+        return sd
+
+    m, o = build(0)
+    ck = manager(m, o)
+    for step in (1, 2):
+        o.zero_grad(); m(torch.randn(4, 64)).sum().backward(); o.step()
+        ck.save(step)
+    ck.close()
+    want = snapshot(m, o)
+
+    seen = []
+    ask = reader.VerifiedReader._ask_for_records
+    def spy(self, names):
+        ask(self, names)
+        seen.append(sorted(self._stream_first))
+    reader.VerifiedReader._ask_for_records = spy
+
+    out = {}
+    for way, share in (("stream_first", 0.5), ("records_first", 0.0)):
+        reader.STREAM_FIRST_OF_MEMORY = share
+        step_dir = os.path.join(root, "cold", "step_000000002")
+        for n in os.listdir(step_dir):  # out of the page cache: a cold load
+            fd = os.open(os.path.join(step_dir, n), os.O_RDONLY)
+            os.fsync(fd); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED); os.close(fd)
+        seen.clear()
+        m2, o2 = build(1)
+        ck2 = manager(m2, o2)
+        assert ck2.load() == 2
+        ck2.close()
+        got = snapshot(m2, o2)
+        out[way] = {"equal": got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got),
+                    "streamed_first": any(seen)}
+    print("RESULT " + json.dumps(out))
+""")
+
+
+def test_a_cold_load_streams_its_files_before_locating_or_asks_for_the_records(tmp_path):
+    """A cold file that fits in the page cache is read front to back before its items are
+    located (one sequential read); one that might not is located from its record pages, asked
+    for all at once. Both load bitwise."""
+    r = run_script(COLD, {"ROOT": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-4000:]
+    res = script_result(r.stdout)
+    assert res["stream_first"] == {"equal": True, "streamed_first": True}
+    assert res["records_first"] == {"equal": True, "streamed_first": False}

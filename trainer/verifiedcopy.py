@@ -284,8 +284,8 @@ class Streamer:
     at once: on their own they read it at 0.7-0.8x a raw read). Each chunk goes to ``/dev/null``
     with ``sendfile``: the kernel reads it into the cache and copies nothing out (6 ms of CPU for
     167 MB against 28-140 ms for reads into a buffer, CPU the digests and copies need on a small
-    host). Skips what is in the page cache already (an ``RWF_NOWAIT`` probe of each chunk's first
-    page).
+    host; for pages already in the cache it costs next to nothing). ``streamed`` is set when it
+    is through, so the reader can locate the items behind it (``VerifiedReader._ask_for_records``).
 
     Then, given the mapping, it maps the file's pages into the process (``_map_pages``), so the
     digests do not take a page fault every 64 KiB: 4 KiB pages cost 14.5 ms of faults per 167 MB
@@ -298,45 +298,48 @@ class Streamer:
         # Decided on the caller's thread: each system call made on the streaming thread waits for
         # the GIL after it, up to 5 ms while the caller plans the load.
         self.warm = data is not None and _looks_resident(path, size)
+        self.streamed = threading.Event()
+        """Set once the file has been read front to back (or the stream stopped or failed)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ckptflow-stream", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         try:
+            self._stream()
+        finally:
+            self.streamed.set()  # whatever happened: nobody waits for a stream that is over
+        if self._data is not None and not self._stop.is_set():
+            _map_pages(self._data)
+
+    def _stream(self) -> None:
+        if self.warm:
+            return
+        try:
             fd = os.open(self._path, os.O_RDONLY)
         except OSError:
             return  # the load reports it
         sink = _null()
         try:
-            if self.warm:
-                _map_pages(self._data)
-                return
-            probe = memoryview(bytearray(4096))
             buf: memoryview | None = None
             off = 0
             while off < self._size and not self._stop.is_set():
-                try:
-                    resident = os.preadv(fd, [probe], off, os.RWF_NOWAIT) > 0
-                except (BlockingIOError, OSError):
-                    resident = False
-                if not resident:
-                    n = min(CHUNK, self._size - off)
-                    if sink is not None:
-                        try:
-                            if os.sendfile(sink, fd, off, n) <= 0:
-                                return
-                            off += n
-                            continue
-                        except OSError:  # a file system without splice: plain reads from here on
-                            os.close(sink)
-                            sink = None
-                    buf = buf or memoryview(bytearray(CHUNK))
-                    if not os.preadv(fd, [buf], off):
-                        return
-                off += CHUNK
-            if self._data is not None and not self._stop.is_set():
-                _map_pages(self._data)
+                n = min(CHUNK, self._size - off)
+                if sink is not None:
+                    try:
+                        got = os.sendfile(sink, fd, off, n)
+                        if got <= 0:
+                            return
+                        off += got
+                        continue
+                    except OSError:  # a file system without splice: plain reads from here on
+                        os.close(sink)
+                        sink = None
+                buf = buf or memoryview(bytearray(CHUNK))
+                got = os.preadv(fd, [buf[:n]], off)
+                if got <= 0:
+                    return
+                off += got
         except OSError:
             return  # only a hint: the load reads the file itself
         finally:
