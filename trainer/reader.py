@@ -78,10 +78,10 @@ from ckptflow.trainer.verifiedcopy import (
 )
 from ckptflow.trainer.verify import resolve_member
 
-RECORD_PAGE = 8192
+RECORD_PAGE = 8192  # the zip records of a tensor item lie in its first and last few KiB
 STREAM_FIRST_OF_MEMORY = 0.5
 """Cold files up to this share of the available memory are streamed in before their items are
-located (``VerifiedReader._ask_for_records``)."""  # the zip records of a tensor item lie in its first and last few KiB
+located (``VerifiedReader._ask_for_records``)."""
 
 
 class VerifiedReader(FileSystemReader):
