@@ -288,7 +288,9 @@ def test_a_warm_file_s_pages_are_mapped_into_the_process_by_the_streamer(tmp_pat
         data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     addr = torch.frombuffer(data, dtype=torch.uint8).data_ptr()
     assert _mapped_kib(addr) < 1024, "mapped before anything touched it"
-    Streamer(str(path), len(data), data).stop()  # a warm file: stop() waits for the mapping
+    st = Streamer(str(path), len(data), data)
+    st.join(30)
+    st.stop()
     # Every FAULT_AROUND bytes were read; each fault mapped that many resident bytes.
     assert _mapped_kib(addr) >= (8 << 10) - FAULT_AROUND // 1024, "the streamer left pages unmapped"
     data.close()

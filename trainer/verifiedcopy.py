@@ -40,8 +40,9 @@ TASK_BYTES = 8 << 20
 FAULT_AROUND = 64 << 10
 """What one page fault on a mapped file maps of its resident pages (Linux's default
 ``fault_around_bytes``; where it is less, the digests fault in the rest themselves)."""
-MAP_PIECE = 1 << 30
-"""Bytes whose pages one torch op maps (16 Ki reads, below torch's grain for parallel ops)."""
+MAP_PIECE = 256 << 20
+"""Bytes whose pages one torch op maps (4 Ki reads, below torch's grain for parallel ops; ~25 ms
+each at most, so a stop waits no longer)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,7 +311,7 @@ class Streamer:
         finally:
             self.streamed.set()  # whatever happened: nobody waits for a stream that is over
         if self._data is not None and not self._stop.is_set():
-            _map_pages(self._data)
+            _map_pages(self._data, self._stop)
 
     def _stream(self) -> None:
         if self.warm:
@@ -351,6 +352,10 @@ class Streamer:
         self._stop.set()
         self._thread.join()
 
+    def join(self, timeout: float | None = None) -> None:
+        """Until the file is streamed and its pages mapped (or the thread stopped)."""
+        self._thread.join(timeout)
+
 
 def _null() -> int | None:
     try:
@@ -375,7 +380,7 @@ def _looks_resident(path: str, size: int) -> bool:
         os.close(fd)
 
 
-def _map_pages(data: Any) -> None:
+def _map_pages(data: Any, stop: threading.Event | None = None) -> None:
     """Map every page of ``data`` (a mapped file in the page cache) into the process: one read a
     ``FAULT_AROUND`` apart, each fault mapping that many bytes of resident pages.
 
@@ -387,4 +392,6 @@ def _map_pages(data: Any) -> None:
     flat = torch.frombuffer(data, dtype=torch.uint8)
     step = MAP_PIECE // FAULT_AROUND * FAULT_AROUND
     for a in range(0, len(flat), step):  # pieces below torch's parallel grain: one thread each
+        if stop is not None and stop.is_set():
+            return
         flat[a : a + step : FAULT_AROUND].sum()
