@@ -25,12 +25,13 @@ stay standard DCP, vanilla PyTorch still reads them — differently:
 
 Cold files: each is brought into the page cache front to back by a streaming thread
 (``verifiedcopy.Streamer``, ``sendfile`` to ``/dev/null``) so the disk sees one sequential
-stream, and the pages holding every item's zip records are asked for all at once before the
-items are located. The same thread then maps the file's pages into the process, so the
-digests take no page fault every 64 KiB (for a warm file that is all it does). At the saving
-world size all of this starts for the rank's own files before ``.metadata`` is read, and runs
-while the load is planned (``prefetch``). The mappings are closed on a thread of their own once
-the load is done (:meth:`VerifiedReader.unmap`).
+stream; its items are located once it is in, or, for a file too large for that, from the
+pages holding their zip records, asked for all at once (``VerifiedReader._ask_for_records``).
+The same thread then maps the file's pages into the process, so the digests take no page fault
+every 64 KiB (for a warm file that is all it does). At the saving world size all of this starts
+for the rank's own files before ``.metadata`` is read, and runs while the load is planned
+(``prefetch``). The mappings are closed on a thread of their own once the load is done
+(:meth:`VerifiedReader.unmap`).
 """
 
 from __future__ import annotations
