@@ -100,7 +100,6 @@ class VerifiedReader(FileSystemReader):
         self._prefetch = [n for n in prefetch if n in manifest.files]
         self._pool: Pool | None = None
         self._maps: dict[str, Any] = {}
-        self._streams: list[Streamer] = []
         self._warm: set[str] = set()  # files found in the page cache when mapped
         self._stream_of: dict[str, Streamer] = {}
         self._stream_first: set[str] = set()  # cold files located only once streamed in
@@ -113,9 +112,9 @@ class VerifiedReader(FileSystemReader):
         if self._pool is not None:
             self._pool.close()
             self._pool = None
-        for st in self._streams:
+        for st in self._stream_of.values():
             st.stop()
-        self._streams.clear()
+        self._stream_of.clear()
 
     def unmap(self) -> None:
         """Unmap the files, on a thread of their own: the kernel drops one page-table entry per
@@ -176,9 +175,10 @@ class VerifiedReader(FileSystemReader):
         self._ask_for_records(set(names) - set(self._prefetch))
         blocks = {name: blocks_of(name, self._entry(name), len(maps[name])) for name in names}
         every = [b for name in names for b in blocks[name]]
-        for name in names:
-            if name in self._stream_first:
-                self._stream_of[name].streamed.wait()
+        for name in self._stream_first.intersection(names):
+            st = self._stream_of.get(name)
+            if st is not None:
+                st.streamed.wait()
         try:
             try:
                 copies, byte_items = self._locate(per_file, maps, planner)
@@ -317,7 +317,6 @@ class VerifiedReader(FileSystemReader):
             if len(self._maps[name]):  # a cold file streams from disk in order (a warm one: skipped)
                 data = self._maps[name]
                 st = Streamer(self._path(name), len(data), data)
-                self._streams.append(st)
                 self._stream_of[name] = st
                 if st.warm:
                     self._warm.add(name)
