@@ -154,6 +154,7 @@ class Schedule:
     def __init__(self, copies: list[Copy], blocks: list[Block], maps: dict[str, Any], threads: int) -> None:
         self.threads = threads
         self.maps = maps
+        self._lock = threading.Lock()
         self.pieces: dict[tuple[str, int], list[tuple[Any, Any, int]]] = {}
         self.waits: dict[tuple[str, int], list[list[Any]]] = {}  # block -> [[blocks left, task]]
         self.whole: dict[str, list[Copy]] = {}
@@ -193,16 +194,17 @@ class Schedule:
                 dst.copy_(src)
 
     def after(self, b: Block) -> list[Callable[[], Any]]:
-        """The other copies block ``b``'s match makes runnable (one thread calls this)."""
+        """The other copies block ``b``'s match makes runnable (call once, after ``b`` matched)."""
         if b.whole:
             data = self.maps[b.name]
             batches = balanced(self.whole.pop(b.name, []), self.threads)
             return [functools.partial(_copy_batch, batch, data) for batch in batches]
         tasks = []
-        for wait in self.waits.pop((b.name, b.index), []):
-            wait[0] -= 1
-            if wait[0] == 0:
-                tasks.append(wait[1])
+        with self._lock:  # the threads that verified a copy's blocks count them down together
+            for wait in self.waits.pop((b.name, b.index), []):
+                wait[0] -= 1
+                if wait[0] == 0:
+                    tasks.append(wait[1])
         return tasks
 
 
