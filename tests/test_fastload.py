@@ -350,6 +350,58 @@ def test_state_dicts_load_in_place_as_dcps_set_state_dict_does():
             assert torch.equal(sa["state"][p][k], sb["state"][p][k]), (p, k)
 
 
+FSDP_AFTER_FORWARD = textwrap.dedent("""
+    import json
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+    from ckptflow.trainer.distenv import init_distributed
+    from ckptflow.trainer.dsd import StateDicts
+    init_distributed()
+    def built():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        fully_shard(m[0]); fully_shard(m)  # the root keeps the second layer's parameters
+        o = torch.optim.AdamW(m.parameters(), lr=0.1)
+        m(torch.randn(3, 4)).sum().backward(); o.step(); o.zero_grad()
+        with torch.no_grad():  # an evaluation (or the sanity probe): the root stays unsharded
+            m(torch.randn(3, 4))
+        return m, o
+    def unsharded(m, o):
+        mine = {id(p) for g in o.param_groups for p in g["params"]}
+        return sum(id(p) not in mine for p in m.parameters())
+    ours, theirs = built(), built()
+    out = {"unsharded_before": unsharded(*ours)}
+    states = StateDicts(*ours)
+    msd, osd = states.get()
+    ref_msd, ref_osd = get_state_dict(*theirs)
+    for sd in (msd, osd, ref_msd, ref_osd):
+        for v in sd.values():
+            for t in (v.values() if isinstance(v, dict) else [v]):
+                for x in (t.values() if isinstance(t, dict) else [t]):
+                    if isinstance(x, torch.Tensor) and x.is_floating_point():
+                        x.add_(1.0)
+    states.set(msd, osd)
+    set_state_dict(*theirs, model_state_dict=ref_msd, optim_state_dict=ref_osd)
+    a, b = ours[0].state_dict(), theirs[0].state_dict()
+    out["model_equal"] = all(torch.equal(a[k].full_tensor(), b[k].full_tensor()) for k in a)
+    sa, sb = ours[1].state_dict(), theirs[1].state_dict()
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t
+    out["optim_equal"] = all(torch.equal(full(sa["state"][p][k]), full(sb["state"][p][k]))
+                             for p in sa["state"] for k in sa["state"][p])
+    print("RESULT " + json.dumps(out))
+""")
+
+
+def test_state_dicts_load_an_fsdp_model_after_a_forward_without_backward():
+    """After a forward without backward FSDP2's root module has its unsharded parameters registered
+    until a state dict is taken, so the name mapping ``get`` starts with names those, not the
+    optimizer's (sharded) ones. ``set`` must not reuse it: it loads as DCP's ``set_state_dict``."""
+    r = run_script(FSDP_AFTER_FORWARD)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert script_result(r.stdout) == {"unsharded_before": 2, "model_equal": True, "optim_equal": True}
+
+
 class _Versioned(torch.nn.Linear):
     """A module with its own loading (as quantised or legacy-compatible modules have)."""
 

@@ -79,6 +79,8 @@ from ckptflow.trainer.verifiedcopy import (
 from ckptflow.trainer.verify import resolve_member
 
 RECORD_PAGE = 8192  # the zip records of a tensor item lie in its first and last few KiB
+THREADS = 4
+"""The pool that verifies and copies (2 or 3 on 2 cores measured the same)."""
 STREAM_FIRST_OF_MEMORY = 0.5
 """Cold files up to this share of the available memory are streamed in before their items are
 located (``VerifiedReader._ask_for_records``)."""
@@ -87,7 +89,7 @@ located (``VerifiedReader._ask_for_records``)."""
 class VerifiedReader(FileSystemReader):
     """A ``StorageReader`` for one local checkpoint directory and its (authenticated) manifest."""
 
-    def __init__(self, path: str, manifest: Manifest, *, threads: int = 4, prefetch: Iterable[str] = ()) -> None:
+    def __init__(self, path: str, manifest: Manifest, *, threads: int = THREADS, prefetch: Iterable[str] = ()) -> None:
         """``prefetch``: files this rank will most likely read (its own, when loading at the
         saving world size): mapped by ``read_metadata``, their first window asked of the disk while
         DCP plans the load. Call :meth:`close` when done."""
