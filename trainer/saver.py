@@ -2,30 +2,37 @@
 
 Timeline of one save (``AsyncSaver.submit``), per rank::
 
-  main thread   stage.submit ──(returns in ~0.1 ms)──> training continues
+  main thread   stage.submit ──(returns in ~1-2 ms)──> training continues
   stager        copy live tensors into reused CPU buffers   (must end before the
                                                             next optimizer.step)
-  DCP thread    plan (ckpt group) -> write own shards -> coordinator writes .metadata
-  commit thread own files' digests (taken as written) -> gather to rank 0 ->
-                rank 0 commits (manifest, rename, latest, outbox, event) -> broadcast
+  lane          DCP's save of the copy: plan (ckpt group) -> write own shards ->
+                coordinator writes .metadata; then the commit: own files' digests
+                (taken as written) -> gather to rank 0 -> rank 0 commits (manifest,
+                rename, latest, outbox, event) -> broadcast
+
+The stager's thread and the lane are started once, with the saver (``_Lane``): a thread
+started per save made the training thread wait until it ran.
 
 Why this mode: measured on this machine (docs/benchmarks.md) asynchronous staging
-into a reused ``DefaultStager`` blocks the training loop ~15 ms per save whatever the
-state size (DCP's fixed set-up cost), and the copy finishes long before the next
-optimizer step; thread mode blocks 2.6-5.9x a memcpy of the state (DCP copies tensor
-by tensor), ``dcp.save`` 14-22x. PROCESS mode moves serialisation out of the GIL but
-blocked as much as thread mode, needs /dev/shm of 1-2x the checkpoint and 0.2-3.5 s
-on its first call; it is selectable, not default.
+into a reused ``DefaultStager`` blocks the training loop a fixed time per save whatever
+the state size (15 ms inside ``dcp.async_save``, most of it starting threads; far less
+on the lane), and the copy finishes long before the next optimizer step; thread mode
+blocks 2.6-5.9x a memcpy of the state (DCP copies tensor by tensor), ``dcp.save``
+14-22x. PROCESS mode moves serialisation out of the GIL but blocked as much as thread
+mode, needs /dev/shm of 1-2x the checkpoint and 0.2-3.5 s on its first call; it is
+selectable, not default.
 
 All checkpoint collectives run on a dedicated process group and only from the
-DCP/commit threads, one save at a time, so every rank issues them in the same
+lane, one save at a time, so every rank issues them in the same
 order and they never interleave with training collectives.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import queue
 import shutil
 import threading
 import time
@@ -55,8 +62,57 @@ from ckptflow.trainer.topology import Topology, single
 log = logging.getLogger(__name__)
 
 ASYNC_MODES = ("async_staging", "thread", "process", "sync")
-# How long wait() gives a commit thread to return once its outcome is known (its frame only).
+# How long wait() gives the background thread to drop a save once its outcome is known (its
+# frame only), and close() to stop it.
 _COMMIT_THREAD_EXIT_S = 30.0
+
+
+def _then(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
+    def both() -> None:
+        first()
+        second()
+
+    return both
+
+
+class _Lane:
+    """One long-lived background thread that runs each save's upload (DCP's ``save`` of the staged
+    copy) and commit, one save after another.
+
+    Not a thread per save, which is what DCP's ``async_save`` starts for its upload and what this
+    saver started for its commit: starting a thread waits until the new thread runs, and with every
+    core busy (the ranks training, the stager copying) that took 4-7 ms each on the training thread
+    — two per save, 13 of the 15 ms a save blocked training here (``docs/benchmarks.md``). This
+    thread is started once, with the saver."""
+
+    def __init__(self, name: str) -> None:
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None]) -> threading.Event:
+        """Run ``job`` (it must not raise) after the jobs before it; the event is set once it has
+        returned and the thread holds nothing of it any more."""
+        released = threading.Event()
+        self._q.put((job, released))
+        return released
+
+    def _run(self) -> None:
+        while True:
+            job, released = self._q.get()
+            if job is None:
+                return
+            try:
+                job()
+            finally:
+                # The job's arguments (the staged copy, the writer) go before anyone is told.
+                del job
+                released.set()
+
+    def close(self, timeout: float) -> None:
+        """Stop the thread after the jobs already submitted (waits ``timeout`` at most)."""
+        self._q.put((None, None))
+        self._thread.join(timeout)
 
 
 class _FaultingWriter(HashingWriter):
@@ -302,7 +358,8 @@ class AsyncSaver:
         )
         self._staging: Future | None = None
         self._done: Future | None = None
-        self._commit_thread: threading.Thread | None = None
+        self._released: threading.Event | None = None  # the lane holds nothing of the last save
+        self._lane = _Lane("ckptflow-commit")
         self._plan_key = f"ckptflow-saver-{uuid.uuid4().hex}"
         """This saver's entry in DCP's plan cache (``canonical_planner``)."""
 
@@ -323,8 +380,9 @@ class AsyncSaver:
             priority=self.priority if self.mode != "sync" else "normal",
         )
         t0 = time.perf_counter()
+        upload: Future = Future()
+        upload_job: Callable[[], None] | None = None  # DCP's save, to run on the lane first
         if self.mode == "sync":
-            upload: Future = Future()
             try:
                 upload.set_result(
                     dcp.save(
@@ -337,18 +395,16 @@ class AsyncSaver:
             except BaseException as e:  # DCP's CheckpointException derives from BaseException
                 if isinstance(e, (KeyboardInterrupt, SystemExit)):
                     raise
-                upload.set_exception(e)  # the commit thread reports it as a SaveError
+                upload.set_exception(e)  # the commit reports it as a SaveError
             timing.blocked_s = timing.staged_s = time.perf_counter() - t0
-        else:
+        elif self.mode == "process":
             resp = dcp.async_save(
                 state,
                 storage_writer=writer,
                 process_group=self.group,
                 planner=canonical_planner(self._plan_key),
                 async_stager=self._stager,
-                async_checkpointer_type=(
-                    AsyncCheckpointerType.PROCESS if self.mode == "process" else AsyncCheckpointerType.THREAD
-                ),
+                async_checkpointer_type=AsyncCheckpointerType.PROCESS,
             )
             if isinstance(resp, AsyncSaveResponse):
                 self._staging, upload = resp.staging_completion, resp.upload_completion
@@ -358,16 +414,38 @@ class AsyncSaver:
                 timing.staged_s = time.perf_counter() - t0
             timing.blocked_s = time.perf_counter() - t0
             faults.maybe_crash("staging", req.step)  # the staged copy is being made in the background
+        else:
+            # What dcp.async_save does in THREAD mode, but its upload runs on the lane instead of
+            # on a thread started for it (the stager's own thread is reused from save to save).
+            assert self._stager is not None
+            staged_or_copy = self._stager.stage(state)  # async staging: a Future; thread mode: the copy
+            if isinstance(staged_or_copy, Future):
+                self._staging = staged_or_copy
+                self._staging.add_done_callback(lambda _f: setattr(timing, "staged_s", time.perf_counter() - t0))
+            else:
+                timing.staged_s = time.perf_counter() - t0
+            upload_job = functools.partial(self._upload, staged_or_copy, writer, upload)
+            timing.blocked_s = time.perf_counter() - t0
+            faults.maybe_crash("staging", req.step)  # the staged copy is being made in the background
         staged = self._stager.last if self._stager is not None else None
-        self._done = Future()
-        self._commit_thread = threading.Thread(
-            target=self._commit,
-            args=(upload, writer, req, timing, t0, self._done, staged),
-            name=f"ckptflow-commit-{req.step}",
-            daemon=True,
-        )
-        self._commit_thread.start()
+        done: Future = Future()
+        self._done = done
+        commit_job = functools.partial(self._commit, upload, writer, req, timing, t0, done, staged)
+        self._released = self._lane.submit(commit_job if upload_job is None else _then(upload_job, commit_job))
         return timing
+
+    def _upload(self, staged_or_copy: Any, writer: _FaultingWriter, upload: Future) -> None:
+        """DCP's save of the staged copy (on the lane, once staging is done): its outcome into
+        ``upload``, as DCP's own upload executor sets it."""
+        try:
+            copy = staged_or_copy.result() if isinstance(staged_or_copy, Future) else staged_or_copy
+            upload.set_result(
+                dcp.save(
+                    copy, storage_writer=writer, process_group=self.group, planner=canonical_planner(self._plan_key)
+                )
+            )
+        except BaseException as e:  # DCP's CheckpointException derives from BaseException
+            upload.set_exception(e)  # the commit reports it as a SaveError
 
     def wait_for_staging(self) -> None:
         """Block until the staged copy exists (call before mutating model/optimizer state)."""
@@ -385,22 +463,23 @@ class AsyncSaver:
             try:
                 done.result()
             finally:
-                self._join_commit_thread()
+                self._wait_released()
 
-    def _join_commit_thread(self) -> None:
-        # The outcome is set before the thread has dropped its frame (the staged copy, the
-        # writer). Joining here means no checkpoint thread is still freeing tensors when the
+    def _wait_released(self) -> None:
+        # The outcome is set before the lane has dropped the save (its frame: the staged copy,
+        # the writer). Waiting here means no checkpoint thread is still freeing tensors when the
         # caller goes on to tear down its process groups or the interpreter: a daemon thread
         # caught in C++ code by interpreter finalization aborts the process (SIGABRT) after
         # every save succeeded. Bounded: what is left after the outcome is only that frame.
-        thread, self._commit_thread = self._commit_thread, None
-        if thread is not None:
-            thread.join(timeout=_COMMIT_THREAD_EXIT_S)
+        released, self._released = self._released, None
+        if released is not None:
+            released.wait(timeout=_COMMIT_THREAD_EXIT_S)
 
     def close(self) -> None:
         try:
             self.wait()
         finally:
+            self._lane.close(_COMMIT_THREAD_EXIT_S)
             drop_cached_plans(self._plan_key)
             if self._stager is not None:
                 self._stager.close()
@@ -418,7 +497,7 @@ class AsyncSaver:
         staged: Any = None,
     ) -> None:
         try:
-            lower_this_thread(self.priority)  # a new thread per save: nothing else runs on it
+            lower_this_thread(self.priority)  # the lane: nothing but saves runs on it
             gathered = self._gather_entries(upload, writer, req, timing, t0, staged)
             if self.topology.scope == "node":
                 self._commit_nodes(gathered, req, timing)
