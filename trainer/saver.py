@@ -90,28 +90,36 @@ class _Lane:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, job: Callable[[], None]) -> threading.Event:
-        """Run ``job`` (it must not raise) after the jobs before it; the event is set once it has
-        returned and the thread holds nothing of it any more."""
+    def submit(self, job: Callable[[], None], done: Future) -> threading.Event:
+        """Run ``job`` after the jobs before it; it sets the save's outcome in ``done``. The event
+        is set once it has returned and the thread holds nothing of it any more."""
+        if not self._thread.is_alive():
+            raise SaveError("the saver's background thread has stopped (the saver was closed); no save was made")
         released = threading.Event()
-        self._q.put((job, released))
+        self._q.put((job, done, released))
         return released
 
     def _run(self) -> None:
         while True:
-            job, released = self._q.get()
+            job, done, released = self._q.get()
             if job is None:
                 return
             try:
                 job()
+            except BaseException as e:  # a bug in a job: that save fails, the lane stays for the next
+                log.exception("checkpoint background job failed")
+                if not done.done():
+                    done.set_exception(
+                        SaveError(f"checkpoint background job failed: {e!r}; earlier checkpoints are untouched")
+                    )
             finally:
                 # The job's arguments (the staged copy, the writer) go before anyone is told.
-                del job
+                del job, done
                 released.set()
 
     def close(self, timeout: float) -> None:
         """Stop the thread after the jobs already submitted (waits ``timeout`` at most)."""
-        self._q.put((None, None))
+        self._q.put((None, None, None))
         self._thread.join(timeout)
 
 
@@ -431,7 +439,7 @@ class AsyncSaver:
         done: Future = Future()
         self._done = done
         commit_job = functools.partial(self._commit, upload, writer, req, timing, t0, done, staged)
-        self._released = self._lane.submit(commit_job if upload_job is None else _then(upload_job, commit_job))
+        self._released = self._lane.submit(commit_job if upload_job is None else _then(upload_job, commit_job), done)
         return timing
 
     def _upload(self, staged_or_copy: Any, writer: _FaultingWriter, upload: Future) -> None:
