@@ -9,6 +9,16 @@ import time
 
 from tests.helpers import run_script
 
+# A one-layer model and its manager, saving every step (both scripts below).
+MANAGER = """env = init_distributed()
+torch.manual_seed(0)
+m = torch.nn.Linear(8, 8)
+o = torch.optim.SGD(m.parameters(), lr=0.1)
+ck = CheckpointManager(
+    CheckpointConfig(root=os.environ["ROOT"], run_id="r", interval=1, emit_events=False),
+    model=m, optimizer=o, provenance=Provenance(config={"a": 1}, data_fingerprint="d"), env=env)
+"""
+
 LINGERING_COMMIT = textwrap.dedent("""
     import os, threading, time
     import torch
@@ -22,13 +32,7 @@ LINGERING_COMMIT = textwrap.dedent("""
         time.sleep(1.0)        # what is left of the thread: its frame, slowed down
     saver.AsyncSaver._commit = slow_to_return
 
-    env = init_distributed()
-    torch.manual_seed(0)
-    m = torch.nn.Linear(8, 8)
-    o = torch.optim.SGD(m.parameters(), lr=0.1)
-    ck = CheckpointManager(
-        CheckpointConfig(root=os.environ["ROOT"], run_id="r", interval=1, emit_events=False),
-        model=m, optimizer=o, provenance=Provenance(config={"a": 1}, data_fingerprint="d"), env=env)
+    {manager}
     for step in (1, 2):
         o.zero_grad(); m(torch.randn(8)).sum().backward(); o.step()
         ck.save(step)
@@ -36,7 +40,7 @@ LINGERING_COMMIT = textwrap.dedent("""
     alive = [t.name for t in threading.enumerate() if t.name.startswith("ckptflow-commit")]
     print("ALIVE", alive)
     shutdown(env)
-""")
+""").replace("{manager}\n", MANAGER)
 
 
 def test_no_commit_thread_outlives_close(tmp_path):
@@ -84,13 +88,7 @@ ONE_LANE = textwrap.dedent("""
         started.append(self.name)
         start(self)
 
-    env = init_distributed()
-    torch.manual_seed(0)
-    m = torch.nn.Linear(8, 8)
-    o = torch.optim.SGD(m.parameters(), lr=0.1)
-    ck = CheckpointManager(
-        CheckpointConfig(root=os.environ["ROOT"], run_id="r", interval=1, emit_events=False),
-        model=m, optimizer=o, provenance=Provenance(config={"a": 1}, data_fingerprint="d"), env=env)
+    {manager}
     for step in range(1, 7):
         o.zero_grad(); m(torch.randn(8)).sum().backward(); o.step()
         if step == 3:
@@ -104,7 +102,7 @@ ONE_LANE = textwrap.dedent("""
     print("STARTED", sorted(n for n in started if n.startswith("ckptflow-commit")))
     print("LATEST", open(os.path.join(os.environ["ROOT"], "r", "latest")).read().strip())
     shutdown(env)
-""")
+""").replace("{manager}\n", MANAGER)
 
 
 def test_saves_run_on_one_background_thread_that_outlives_a_failed_job(tmp_path):
