@@ -218,8 +218,9 @@ class VerifiedReader(FileSystemReader):
             self._threads().submit(1, functools.partial(self._verify_run, data, run, sched))
 
     def _verify_run(self, data: Any, run: list[Block], sched: Schedule | None) -> None:
-        """Verify consecutive blocks, copying each one's pieces right after it matched. Reports
-        every block, whatever happens, so read_data never waits forever."""
+        """Verify consecutive blocks, copying each one's pieces right after it matched and queueing
+        the copies that match made runnable. A block that does not match raises: the pool stops,
+        and ``drain`` raises it on the caller's thread."""
         readahead(data, run[0].start + READAHEAD, run[-1].end - run[0].start)
         path = os.path.join(self.ckpt_dir, run[0].name)
         pool = self._threads()
@@ -228,7 +229,7 @@ class VerifiedReader(FileSystemReader):
                 return  # another block failed: the load stops, nothing more is copied
             err = verify(data, b, path)
             if err is not None:
-                raise err  # the pool stops and drain() raises it on the caller's thread
+                raise err
             if sched is not None:
                 sched.run_pieces(b)
                 for task in sched.after(b):

@@ -405,34 +405,34 @@ class AsyncSaver:
                     raise
                 upload.set_exception(e)  # the commit reports it as a SaveError
             timing.blocked_s = timing.staged_s = time.perf_counter() - t0
-        elif self.mode == "process":
-            resp = dcp.async_save(
-                state,
-                storage_writer=writer,
-                process_group=self.group,
-                planner=canonical_planner(self._plan_key),
-                async_stager=self._stager,
-                async_checkpointer_type=AsyncCheckpointerType.PROCESS,
-            )
-            if isinstance(resp, AsyncSaveResponse):
-                self._staging, upload = resp.staging_completion, resp.upload_completion
-                self._staging.add_done_callback(lambda _f: setattr(timing, "staged_s", time.perf_counter() - t0))
-            else:  # staging finished synchronously inside async_save
-                upload = resp
-                timing.staged_s = time.perf_counter() - t0
-            timing.blocked_s = time.perf_counter() - t0
-            faults.maybe_crash("staging", req.step)  # the staged copy is being made in the background
         else:
-            # What dcp.async_save does in THREAD mode, but its upload runs on the lane instead of
-            # on a thread started for it (the stager's own thread is reused from save to save).
-            assert self._stager is not None
-            staged_or_copy = self._stager.stage(state)  # async staging: a Future; thread mode: the copy
-            if isinstance(staged_or_copy, Future):
-                self._staging = staged_or_copy
-                self._staging.add_done_callback(lambda _f: setattr(timing, "staged_s", time.perf_counter() - t0))
+            staging: Future | None = None  # None: staged before the call below returned
+            if self.mode == "process":
+                resp = dcp.async_save(
+                    state,
+                    storage_writer=writer,
+                    process_group=self.group,
+                    planner=canonical_planner(self._plan_key),
+                    async_stager=self._stager,
+                    async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                )
+                if isinstance(resp, AsyncSaveResponse):
+                    staging, upload = resp.staging_completion, resp.upload_completion
+                else:  # staging finished synchronously inside async_save
+                    upload = resp
+            else:
+                # What dcp.async_save does in THREAD mode, but its upload runs on the lane instead
+                # of on a thread started for it (the stager's own thread is reused from save to save).
+                assert self._stager is not None
+                staged_or_copy = self._stager.stage(state)  # async staging: a Future; thread mode: the copy
+                if isinstance(staged_or_copy, Future):
+                    staging = staged_or_copy
+                upload_job = functools.partial(self._upload, staged_or_copy, writer, upload)
+            if staging is not None:
+                self._staging = staging
+                staging.add_done_callback(lambda _f: setattr(timing, "staged_s", time.perf_counter() - t0))
             else:
                 timing.staged_s = time.perf_counter() - t0
-            upload_job = functools.partial(self._upload, staged_or_copy, writer, upload)
             timing.blocked_s = time.perf_counter() - t0
             faults.maybe_crash("staging", req.step)  # the staged copy is being made in the background
         staged = self._stager.last if self._stager is not None else None
