@@ -428,6 +428,102 @@ def test_state_dicts_leave_a_model_with_its_own_loading_to_dcp():
         assert torch.equal(v, want[k]), k
 
 
+class _Renames(torch.nn.Module):
+    """A module that renames its state for DCP (``_fqn_modifiers``: ``inner.`` is not in the names)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(3, 3)
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        return {"weight": "inner", "bias": "inner"}
+
+
+def _fqns_both(model: torch.nn.Module) -> list[tuple[str, object, object]]:
+    """For every name of ``model``'s state, with each argument DCP passes: DCP's ``_get_fqns`` answer
+    and the one it gives inside ``_plain_names``."""
+    from torch.distributed.checkpoint import state_dict as dsd
+
+    from ckptflow.trainer.dsd import _module_names, _plain_names
+
+    dcps = dsd._get_fqns
+    names = [n for n, _ in model.named_parameters()] + list(model.state_dict())
+    calls = [((), {}), (("_fqn_modifiers",), {}), (("_fqn_modifiers",), {"skip_ddp_prefix": False})]
+    want = [dcps(model, n, *a, **kw) for n in names for a, kw in calls]
+    with _plain_names(model):
+        assert (dsd._get_fqns is not dcps) == (_module_names(model) is not None)  # replaced for a plain tree only
+        got = [dsd._get_fqns(model, n, *a, **kw) for n in names for a, kw in calls]
+    assert dsd._get_fqns is dcps
+    return list(zip([n for n in names for _ in calls], want, got, strict=True))
+
+
+def test_plain_names_are_dcps_names_and_wrappers_that_rename_go_to_dcp():
+    """Inside ``_plain_names`` DCP's ``_get_fqns`` answers at once for a model with nothing that
+    renames, the same as DCP's walk; a model with a wrapper or ``_fqn_modifiers`` is left to DCP."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.checkpoint import state_dict as dsd
+
+    from ckptflow.trainer.dsd import _module_names, _plain_names
+
+    plain = _net()
+    assert _module_names(plain) == {"", "0", "1", "2"}
+    for name, want, got in _fqns_both(plain):
+        assert got == want == {name}
+    wrapped = torch.nn.Sequential(checkpoint_wrapper(torch.nn.Linear(3, 3)), torch.nn.Linear(3, 2))
+    renames = torch.nn.Sequential(_Renames())
+    compiled = torch.compile(_net())  # built, never run: its names have ``_orig_mod.``
+    for model in (wrapped, renames, compiled):
+        assert _module_names(model) is None
+        for name, want, got in _fqns_both(model):
+            assert got == want, name
+    for model in (wrapped, compiled):  # (``_Renames``' own names already say ``inner``)
+        assert any(want != {name} for name, want, _ in _fqns_both(model))
+    with _plain_names(plain), pytest.raises(AttributeError):
+        dsd._get_fqns(plain, "3.weight")  # not one of its modules: DCP's walk, and its error
+
+
+DSD_WRAPPED = textwrap.dedent("""
+    import json
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.fsdp import fully_shard
+    from ckptflow.trainer.distenv import init_distributed
+    from ckptflow.trainer.dsd import StateDicts, _module_names
+    env = init_distributed()
+    def built(wrap):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        m = wrap(m)
+        o = torch.optim.AdamW(m.parameters(), lr=0.1)
+        m(torch.randn(3, 4)).sum().backward(); o.step(); o.zero_grad()
+        return m, o
+    def fsdp(m):
+        fully_shard(m[0]); fully_shard(m)
+        return m
+    out = {}
+    for kind, wrap in (("fsdp2", fsdp), ("ddp", torch.nn.parallel.DistributedDataParallel)):
+        m, o = built(wrap)
+        (a, ao), (b, bo) = get_state_dict(m, o), StateDicts(m, o).get()
+        local = lambda t: t._local_tensor if hasattr(t, "_local_tensor") else t
+        out[kind] = {
+            "plain": _module_names(m) is not None,
+            "keys": list(a) == list(b) and list(ao["state"]) == list(bo["state"]),
+            "same_tensors": all(local(a[k]).data_ptr() == local(b[k]).data_ptr() for k in a),
+            "groups": ao["param_groups"] == bo["param_groups"],
+        }
+    print("RESULT " + json.dumps(out))
+""")
+
+
+def test_state_dicts_get_is_dcps_get_state_dict_under_fsdp2_and_ddp():
+    """FSDP2 renames nothing (the fast names apply), DDP does (DCP's walk): either way ``get`` gives
+    the keys, tensors and parameter groups ``get_state_dict`` gives — the save's state dict too."""
+    r = run_script(DSD_WRAPPED)
+    assert r.returncode == 0, r.stderr[-3000:]
+    want = {"keys": True, "same_tensors": True, "groups": True}
+    assert script_result(r.stdout) == {"fsdp2": {"plain": True, **want}, "ddp": {"plain": False, **want}}
+
+
 def _stepped_any(net: torch.nn.Module) -> torch.optim.Optimizer:
     opt = torch.optim.AdamW(net.parameters(), lr=0.01)
     net(torch.randn(3, 4)).sum().backward()
@@ -447,7 +543,7 @@ COLD = textwrap.dedent("""
 
     def build(seed):
         torch.manual_seed(seed)
-        m = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.Linear(512, 64))
+        m = torch.nn.Sequential(torch.nn.Linear(256, 4096), torch.nn.Linear(4096, 256))  # 25 MB: 3 chunks
         return m, torch.optim.AdamW(m.parameters(), lr=0.01)
 
     def manager(m, o):
@@ -463,44 +559,69 @@ COLD = textwrap.dedent("""
 
     m, o = build(0)
     ck = manager(m, o)
+    wants = {}
     for step in (1, 2):
-        o.zero_grad(); m(torch.randn(4, 64)).sum().backward(); o.step()
+        o.zero_grad(); m(torch.randn(4, 256)).sum().backward(); o.step()
         ck.save(step)
+        ck.wait()
+        wants[step] = snapshot(m, o)
     ck.close()
-    want = snapshot(m, o)
 
-    seen = []
+    seen, behind = [], []
     ask = reader.VerifiedReader._ask_for_records
     def spy(self, names):
         ask(self, names)
         seen.append(sorted(self._stream_first))
     reader.VerifiedReader._ask_for_records = spy
+    locate_behind = reader.VerifiedReader._locate_behind
+    def spy_behind(self, name, reqs, *args):
+        behind.append(len(reqs))
+        return locate_behind(self, name, reqs, *args)
+    reader.VerifiedReader._locate_behind = spy_behind
 
-    out = {}
-    for way, share in (("stream_first", 0.5), ("records_first", 0.0)):
-        reader.STREAM_FIRST_OF_MEMORY = share
-        step_dir = os.path.join(root, "cold", "step_000000002")
+    def cold(step_dir):
         for n in os.listdir(step_dir):  # out of the page cache: a cold load
             fd = os.open(os.path.join(step_dir, n), os.O_RDONLY)
             os.fsync(fd); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED); os.close(fd)
-        seen.clear()
+
+    def load(want_step):
+        seen.clear(); behind.clear()
         m2, o2 = build(1)
         ck2 = manager(m2, o2)
-        assert ck2.load() == 2
+        step = ck2.load()
         ck2.close()
-        got = snapshot(m2, o2)
-        out[way] = {"equal": got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got),
-                    "streamed_first": any(seen)}
+        got, want = snapshot(m2, o2), wants[want_step]
+        return {"step": step, "equal": got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got),
+                "streamed_first": any(seen), "located_behind": sum(behind)}
+
+    out = {}
+    last = os.path.join(root, "cold", "step_000000002")
+    for way, share in (("stream_first", 0.5), ("records_first", 0.0)):
+        reader.STREAM_FIRST_OF_MEMORY = share
+        cold(last)
+        out[way] = load(2)
+    # A byte flipped in the middle of the newest data file, read cold behind the stream: that
+    # load fails on its block and the previous checkpoint is loaded whole instead.
+    reader.STREAM_FIRST_OF_MEMORY = 0.5
+    data = next(os.path.join(last, n) for n in os.listdir(last) if n.endswith(".distcp"))
+    with open(data, "r+b") as f:
+        f.seek(os.path.getsize(data) // 2); b = f.read(1); f.seek(-1, 1); f.write(bytes([b[0] ^ 0xFF]))
+    cold(last); cold(os.path.join(root, "cold", "step_000000001"))
+    out["damaged"] = load(1)
     print("RESULT " + json.dumps(out))
 """)
 
 
 def test_a_cold_load_streams_its_files_before_locating_or_asks_for_the_records(tmp_path):
-    """A cold file that fits in the page cache is read front to back before its items are
-    located (one sequential read); one that might not is located from its record pages, asked
-    for all at once. Both load bitwise."""
+    """A cold file that fits in the page cache is read front to back (one sequential read), its
+    items located, verified and copied behind the stream; one that might not is located from its
+    record pages, asked for all at once. Both load bitwise; a cold file with a flipped byte fails
+    its load behind the stream, and the previous checkpoint is loaded instead."""
     r = run_script(COLD, {"ROOT": str(tmp_path)})
     assert r.returncode == 0, r.stderr[-4000:]
     res = script_result(r.stdout)
-    assert res["stream_first"] == {"equal": True, "streamed_first": True}
-    assert res["records_first"] == {"equal": True, "streamed_first": False}
+    behind = res["stream_first"].pop("located_behind")
+    assert behind > 0  # the items of the streamed file, located as the stream passed them
+    assert res["stream_first"] == {"step": 2, "equal": True, "streamed_first": True}
+    assert res["records_first"] == {"step": 2, "equal": True, "streamed_first": False, "located_behind": 0}
+    assert res["damaged"]["step"] == 1 and res["damaged"]["equal"], res["damaged"]

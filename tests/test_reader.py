@@ -213,3 +213,87 @@ def test_manifest_block_digests_round_trip_and_malformed_ones_are_refused():
     ):
         with pytest.raises(ManifestError, match="block digests"):
             Manifest.from_json(_manifest(bad), source="m", key=b"")
+
+
+def _file_with_blocks(tmp_path, nbytes: int, block: int):  # noqa: ANN001, ANN202
+    """A real file, mapped, and its blocks with their digests (as ``blocks_of`` builds them)."""
+    import mmap
+
+    from ckptflow.trainer.verifiedcopy import Block
+
+    data = os.urandom(nbytes)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    blocks = [
+        Block("f.bin", k, a, min(a + block, nbytes), block_digest(data[a : a + block]))
+        for k, a in enumerate(range(0, nbytes, block))
+    ]
+    return data, path, mapped, blocks
+
+
+def test_copies_added_before_or_after_their_blocks_matched_copy_only_matched_bytes(tmp_path):
+    """``Schedule.add`` may come before a block's match or after it (a cold file's items are
+    located behind its stream): a piece runs at whichever comes second, never before its block
+    matched, and every copy ends whole — also a strided one spanning blocks."""
+    import torch
+
+    from ckptflow.trainer.verifiedcopy import Copy, Schedule, run_pieces
+
+    data, _, mapped, blocks = _file_with_blocks(tmp_path, 4096 * 6, 4096)
+    src = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    dst = torch.zeros(4096 * 5, dtype=torch.uint8)
+    strided = torch.zeros(1024, dtype=torch.uint8)
+    sched = Schedule(blocks, {"f.bin": mapped}, threads=2)
+
+    def copy(lo: int, hi: int, out: torch.Tensor, view: torch.Tensor | None = None) -> Copy:
+        return Copy(None, out, "f.bin", lo, hi, torch.uint8, view)  # type: ignore[arg-type]
+
+    done: list = []
+    for k in (0, 1):  # matched before any copy was added: nothing to copy yet
+        pieces, tasks = sched.match(blocks[k])
+        assert pieces == [] and tasks == []
+    # one contiguous copy over blocks 0-4 (from byte 100), one strided view over blocks 3-5
+    view = torch.frombuffer(mapped, dtype=torch.uint8)[4096 * 3 : 4096 * 3 + 12 * 1024 : 12]
+    now = sched.add([copy(100, 100 + dst.numel(), dst), copy(4096 * 3, 4096 * 3 + 12 * 1023 + 1, strided, view)])
+    for t in now:
+        t()
+    assert torch.equal(dst[: 2 * 4096 - 100], src[100 : 2 * 4096])  # the bytes of blocks 0 and 1
+    assert not dst[2 * 4096 - 100 :].any() and not strided.any()  # nothing of a block not matched
+    for k in (2, 3, 4):
+        pieces, tasks = sched.match(blocks[k])
+        run_pieces(pieces)
+        done += tasks
+    assert done == [] and not strided.any()  # the strided copy still waits for block 5
+    pieces, tasks = sched.match(blocks[5])
+    run_pieces(pieces)
+    for t in tasks:
+        t()
+    assert torch.equal(dst, src[100 : 100 + dst.numel()])
+    assert torch.equal(strided, src[4096 * 3 : 4096 * 3 + 12 * 1024 : 12])
+
+
+def test_a_stream_says_how_far_it_is_and_waits_past_an_offset(tmp_path):
+    """``Streamer.wait_past`` returns once the stream has passed the offset, and ``reached`` is the
+    whole file once it is through — also for a file it could not read (the reader reads it then)."""
+    import threading
+
+    from ckptflow.trainer.checksum import CHUNK
+    from ckptflow.trainer.verifiedcopy import Streamer
+
+    data, path, mapped, _ = _file_with_blocks(tmp_path, CHUNK * 3 + 5, CHUNK)
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    seen: list[int] = []
+    st = Streamer(str(path), len(data), mapped)
+    t = threading.Thread(target=lambda: seen.extend([st.wait_past(CHUNK + 1, timeout=30), st.reached]))
+    t.start()
+    t.join(30)
+    assert seen[0] is True and seen[1] > CHUNK
+    assert st.wait_past(len(data), timeout=30) and st.streamed.wait(30) and st.reached == len(data)
+    st.stop()
+    gone = Streamer(str(tmp_path / "missing"), 100)
+    assert gone.wait_past(100, timeout=30) and gone.reached == 100
+    gone.stop()

@@ -10,10 +10,20 @@ nothing but the default ``load_state_dict`` would run (see :func:`_in_place_copi
 
 The mapping is DCP's private ``_StateDictInfo``; where this torch lacks the private functions,
 everything goes through the public ones (the same result, slower).
+
+Most of what is left of both is DCP's ``_get_fqns``, asked three times per parameter: it walks
+the name's attributes to find wrappers that rename (DDP, FSDP1, ``torch.compile``, activation
+checkpointing, a module's ``_fqn_modifiers``) — 7 of the 11 ms ``get`` took for a 218M-parameter
+model here. In a module tree with none of them every canonical name is the name itself, so while
+:class:`StateDicts` calls DCP it answers so for that model (:func:`_plain_names`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import sys
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -30,6 +40,7 @@ _PRIVATE = all(
         "_unflatten_model_state_dict",
         "_load_optim_state_dict",
         "_load_model_state_dict",
+        "_get_fqns",
     )
 )
 
@@ -48,11 +59,12 @@ class StateDicts:
         if not _PRIVATE:
             return dsd.get_state_dict(self.model, self.optimizer)
         optims = (self.optimizer,)
-        # What get_state_dict does, keeping the info (its options: the defaults, as set_state_dict's).
-        info = dsd._verify_options(self.model, optims, optim_only=False)
-        model_sd = dsd._get_model_state_dict(self.model, info)
-        optim_sd = dsd._get_optim_state_dict(self.model, optims, info)
-        dsd._verify_state_dict(model_sd, optim_sd, info)
+        with _plain_names(self.model):
+            # What get_state_dict does, keeping the info (its options: the defaults, as set_state_dict's).
+            info = dsd._verify_options(self.model, optims, optim_only=False)
+            model_sd = dsd._get_model_state_dict(self.model, info)
+            optim_sd = dsd._get_optim_state_dict(self.model, optims, info)
+            dsd._verify_state_dict(model_sd, optim_sd, info)
         self._info = info
         return model_sd, optim_sd
 
@@ -61,21 +73,88 @@ class StateDicts:
         if self._info is None:
             dsd.set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
             return
-        optims = (self.optimizer,)
-        if not _names_current(self._info, self.model):
-            self._info = dsd._verify_options(self.model, optims, optim_only=False)
-        info = self._info
-        model_sd = dsd._unflatten_model_state_dict(self.model, model_sd)
-        dsd._verify_state_dict(model_sd, optim_sd, info)
-        dsd._load_optim_state_dict(self.model, optims, optim_sd, info)
-        copies = _in_place_copies(self.model, model_sd)
+        copies = self._set(model_sd, optim_sd)
         if copies is None:
-            dsd._load_model_state_dict(self.model, model_sd, info)
             return
         with torch.no_grad():
             for dst, src in copies:
                 dst.copy_(src)
         self.skipped_walk = True
+
+    def _set(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> list[tuple[Any, Any]] | None:
+        """Load the optimizer, and the model through DCP where it must (then None); else the
+        copies that load the model in place (:func:`_in_place_copies`)."""
+        optims = (self.optimizer,)
+        if not _names_current(self._info, self.model):
+            with _plain_names(self.model):
+                self._info = dsd._verify_options(self.model, optims, optim_only=False)
+        info = self._info
+        model_sd = dsd._unflatten_model_state_dict(self.model, model_sd)
+        dsd._verify_state_dict(model_sd, optim_sd, info)
+        dsd._load_optim_state_dict(self.model, optims, optim_sd, info)  # names nothing (but for FSDP1)
+        copies = _in_place_copies(self.model, model_sd)
+        if copies is None:
+            with _plain_names(self.model):
+                dsd._load_model_state_dict(self.model, model_sd, info)
+        return copies
+
+
+MODIFIERS = "_fqn_modifiers"
+"""The method by which a module renames its state for DCP (``_get_fqns``'s default)."""
+_NAMES_LOCK = threading.Lock()
+"""Held while ``dsd._get_fqns`` is replaced (one :func:`_plain_names` at a time)."""
+
+
+@contextlib.contextmanager
+def _plain_names(model: torch.nn.Module) -> Iterator[None]:
+    """Within, DCP's ``_get_fqns(model, name)`` returns ``{name}`` at once where ``model``'s tree has
+    nothing that renames (:func:`_module_names`) and ``name``'s module is one of its modules: what
+    DCP's walk returns for it then (``tests/test_fastload.py`` compares the two). Other models,
+    other names and other arguments go to DCP's own function."""
+    names = _module_names(model)
+    if names is None:
+        yield
+        return
+    with _NAMES_LOCK:
+        dcps = dsd._get_fqns
+
+        def plain(
+            m: torch.nn.Module,
+            name: str,
+            dsd_fqn_modifiers: str = MODIFIERS,
+            skip_ddp_prefix: bool = True,
+            skip_compiler_prefix: bool = True,
+        ) -> set[str]:
+            # The skip_*_prefix flags change nothing without DDP or torch.compile's wrapper.
+            if m is model and dsd_fqn_modifiers == MODIFIERS and name.rpartition(".")[0] in names:
+                return {name}
+            return dcps(m, name, dsd_fqn_modifiers, skip_ddp_prefix, skip_compiler_prefix)
+
+        dsd._get_fqns = plain  # type: ignore[assignment]  # (mypy: a module function is not assignable)
+        try:
+            yield
+        finally:
+            dsd._get_fqns = dcps
+
+
+def _module_names(model: torch.nn.Module) -> set[str] | None:
+    """The names of ``model``'s modules (``""``: itself), or None where ``_get_fqns`` might map a
+    name to another one: a module DCP unwraps (DDP, FSDP1, ``torch.compile``'s, activation
+    checkpointing's), one with ``_fqn_modifiers``, or a name with checkpointing's prefix in it."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX, ActivationWrapper
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    ddp = torch.nn.parallel.DistributedDataParallel
+    renaming: tuple[type, ...] = (ddp, FullyShardedDataParallel, ActivationWrapper)
+    frames = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing is compiled
+    if frames is not None:
+        renaming += (frames.OptimizedModule,)
+    names = set()
+    for name, m in model.named_modules(remove_duplicate=False):
+        if isinstance(m, renaming) or hasattr(m, MODIFIERS) or _CHECKPOINT_PREFIX in f"{name}.":
+            return None
+        names.add(name)
+    return names
 
 
 def _names_current(info: Any, model: torch.nn.Module) -> bool:

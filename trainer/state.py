@@ -152,7 +152,10 @@ def build_save_state(
     because those are not equal across ranks: BatchNorm statistics under FSDP, or under DDP
     until the next forward broadcasts rank 0's.
     """
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    from ckptflow.trainer.dsd import StateDicts
+
+    # DCP's get_state_dict, on the training thread at every save: StateDicts' is the same, faster.
+    model_sd, optim_sd = StateDicts(model, optimizer).get()
     # Buffers can change in a forward pass, which runs before staging completes.
     buffers = {}
     for name in buffer_keys(model, model_sd):

@@ -141,71 +141,115 @@ class Copy:
         return flat.view(self.dtype).view(self.dst.shape)
 
 
+Piece = tuple[Any, Any, int]
+"""``(dst, src, n)``: ``n`` bytes memmoved from address ``src`` to ``dst``, or (``n == 0``) the
+tensor ``src`` copied into the tensor ``dst``."""
+
+
 class Schedule:
     """Which copies may run once a given block has matched its digest.
 
     A copy of one contiguous run of bytes into a contiguous destination of the same dtype is
     split at the block boundaries into pieces, each run as soon as its own block has matched
-    (``run_pieces``, by whichever thread verified it). Any other copy (a resharding narrow with
+    (by whichever thread verified it: :meth:`match`). Any other copy (a resharding narrow with
     strides, a dtype cast) runs whole once every block its source spans has matched, and a file
-    verified whole releases all its copies at once, in ``threads`` batches of about equal bytes
-    (``after``, called on one thread only)."""
+    verified whole releases all its copies at once, in ``threads`` batches of about equal bytes.
 
-    def __init__(self, copies: list[Copy], blocks: list[Block], maps: dict[str, Any], threads: int) -> None:
+    Copies may be added while blocks are being verified (:meth:`add`: a cold file's items are
+    located behind its stream, after their blocks may have matched): what was added before its
+    block matched runs at the match, what was added after runs at once. Either way no byte is
+    copied before its block matched (one lock orders the two)."""
+
+    def __init__(self, blocks: list[Block], maps: dict[str, Any], threads: int) -> None:
         self.threads = threads
         self.maps = maps
         self._lock = threading.Lock()
-        self.pieces: dict[tuple[str, int], list[tuple[Any, Any, int]]] = {}
+        self.pieces: dict[tuple[str, int], list[Piece]] = {}
         self.waits: dict[tuple[str, int], list[list[Any]]] = {}  # block -> [[blocks left, task]]
         self.whole: dict[str, list[Copy]] = {}
-        geometry = {b.name: (b.whole, b.end - b.start) for b in blocks if b.index == 0}
-        bases = {n: torch.frombuffer(maps[n], dtype=torch.uint8) for n in geometry}
-        for c in copies:
-            if c.hi <= c.lo:
-                continue
-            whole, bs = geometry[c.name]
-            if whole:
-                self.whole.setdefault(c.name, []).append(c)
-                continue
-            ks = range(c.lo // bs, (c.hi - 1) // bs + 1)
-            if c.src is None and c.dst.is_contiguous() and c.dst.dtype == c.dtype:
-                base = bases[c.name]
-                host = c.dst.device.type == "cpu"
-                flat = None if host else c.dst.reshape(-1).view(torch.uint8)
-                for k in ks:
-                    a, b = max(c.lo, k * bs), min(c.hi, (k + 1) * bs)
-                    self.pieces.setdefault((c.name, k), []).append(
-                        # host memory: a plain memmove (releases the GIL; no tensor views to make)
-                        (c.dst.data_ptr() + a - c.lo, base.data_ptr() + a, b - a)
-                        if flat is None
-                        else (flat[a - c.lo : b - c.lo], base[a:b], 0)
-                    )
-            else:
-                wait = [len(ks), functools.partial(c.dst.copy_, c.source(maps[c.name]))]
-                for k in ks:
-                    self.waits.setdefault((c.name, k), []).append(wait)
+        self.matched: set[tuple[str, int]] = set()
+        self._geometry = {b.name: (b.whole, b.end - b.start) for b in blocks if b.index == 0}
+        self._bases = {n: torch.frombuffer(maps[n], dtype=torch.uint8) for n in self._geometry}
 
-    def run_pieces(self, b: Block) -> None:
-        """Copy the pieces that lie in block ``b`` (call once, after ``b`` matched)."""
-        for dst, src, n in self.pieces.get((b.name, b.index), ()):
-            if n:
-                ctypes.memmove(dst, src, n)
-            else:
-                dst.copy_(src)
+    def add(self, copies: list[Copy]) -> list[Callable[[], Any]]:
+        """Schedule ``copies``; returns those whose blocks all matched already, as tasks to run."""
+        now: list[Piece] = []
+        tasks: list[Callable[[], Any]] = []
+        with self._lock:
+            for c in copies:
+                if c.hi <= c.lo:
+                    continue
+                whole, bs = self._geometry[c.name]
+                if whole:
+                    if (c.name, 0) in self.matched:
+                        tasks.append(functools.partial(_copy_batch, [c], self.maps[c.name]))
+                    else:
+                        self.whole.setdefault(c.name, []).append(c)
+                    continue
+                ks = range(c.lo // bs, (c.hi - 1) // bs + 1)
+                if c.src is None and c.dst.is_contiguous() and c.dst.dtype == c.dtype:
+                    base = self._bases[c.name]
+                    host = c.dst.device.type == "cpu"
+                    flat = None if host else c.dst.reshape(-1).view(torch.uint8)
+                    for k in ks:
+                        a, b = max(c.lo, k * bs), min(c.hi, (k + 1) * bs)
+                        piece = (
+                            # host memory: a plain memmove (releases the GIL; no tensor views to make)
+                            (c.dst.data_ptr() + a - c.lo, base.data_ptr() + a, b - a)
+                            if flat is None
+                            else (flat[a - c.lo : b - c.lo], base[a:b], 0)
+                        )
+                        if (c.name, k) in self.matched:
+                            now.append(piece)
+                        else:
+                            self.pieces.setdefault((c.name, k), []).append(piece)
+                else:
+                    task = functools.partial(c.dst.copy_, c.source(self.maps[c.name]))
+                    left = [k for k in ks if (c.name, k) not in self.matched]
+                    if not left:
+                        tasks.append(task)
+                    wait = [len(left), task]
+                    for k in left:
+                        self.waits.setdefault((c.name, k), []).append(wait)
+        return tasks + [functools.partial(run_pieces, batch) for batch in _by_bytes(now, TASK_BYTES)]
 
-    def after(self, b: Block) -> list[Callable[[], Any]]:
-        """The other copies block ``b``'s match makes runnable (call once, after ``b`` matched)."""
-        if b.whole:
-            data = self.maps[b.name]
-            batches = balanced(self.whole.pop(b.name, []), self.threads)
-            return [functools.partial(_copy_batch, batch, data) for batch in batches]
-        tasks = []
+    def match(self, b: Block) -> tuple[list[Piece], list[Callable[[], Any]]]:
+        """Block ``b`` matched (call once): the pieces that lie in it, for the caller to copy now
+        (:func:`run_pieces`), and the other copies its match makes runnable, as tasks."""
+        tasks: list[Callable[[], Any]] = []
         with self._lock:  # the threads that verified a copy's blocks count them down together
+            self.matched.add((b.name, b.index))
+            pieces = self.pieces.pop((b.name, b.index), [])
+            if b.whole:
+                data = self.maps[b.name]
+                batches = balanced(self.whole.pop(b.name, []), self.threads)
+                tasks = [functools.partial(_copy_batch, batch, data) for batch in batches]
             for wait in self.waits.pop((b.name, b.index), []):
                 wait[0] -= 1
                 if wait[0] == 0:
                     tasks.append(wait[1])
-        return tasks
+        return pieces, tasks
+
+
+def run_pieces(pieces: list[Piece]) -> None:
+    for dst, src, n in pieces:
+        if n:
+            ctypes.memmove(dst, src, n)
+        else:
+            dst.copy_(src)
+
+
+def _by_bytes(pieces: list[Piece], size: int) -> list[list[Piece]]:
+    """``pieces`` in consecutive batches of about ``size`` bytes (a tensor piece counts as its size)."""
+    out: list[list[Piece]] = []
+    n = size
+    for p in pieces:
+        if n >= size:
+            out.append([])
+            n = 0
+        out[-1].append(p)
+        n += p[2] or p[1].numel()
+    return out
 
 
 def _copy_batch(batch: list[Copy], data: Any) -> None:
@@ -287,13 +331,15 @@ class Streamer:
     at once: on their own they read it at 0.7-0.8x a raw read). Each chunk goes to ``/dev/null``
     with ``sendfile``: the kernel reads it into the cache and copies nothing out (6 ms of CPU for
     167 MB against 28-140 ms for reads into a buffer, CPU the digests and copies need on a small
-    host; for pages already in the cache it costs next to nothing). ``streamed`` is set when it
-    is through, so the reader can locate the items behind it (``VerifiedReader._ask_for_records``).
+    host; for pages already in the cache it costs next to nothing). :meth:`wait_past` waits for
+    it to pass an offset: the reader verifies, locates and copies behind it
+    (``VerifiedReader._locate_behind``); ``streamed`` is set when it is through.
 
-    Then, given the mapping, it maps the file's pages into the process (``_map_pages``), so the
-    digests do not take a page fault every 64 KiB: 4 KiB pages cost 14.5 ms of faults per 167 MB
-    here, a third of what hashing and copying them costs, and a warm file's are mapped while the
-    caller still plans the load (the load's data phase: 26.4 -> 20 ms)."""
+    Given the mapping, it also maps the file's pages into the process — each chunk's right after it
+    came in, a warm file's all at once (``_map_pages``) — so the digests do not take a page fault
+    every 64 KiB: 4 KiB pages cost 14.5 ms of faults per 167 MB here, a third of what hashing and
+    copying them costs, and a warm file's are mapped while the caller still plans the load (the
+    load's data phase: 26.4 -> 20 ms)."""
 
     def __init__(self, path: str, size: int, data: Any = None) -> None:
         """``data``: the file mapped, whose pages this thread then maps into the process too."""
@@ -303,48 +349,76 @@ class Streamer:
         self.warm = data is not None and _looks_resident(path, size)
         self.streamed = threading.Event()
         """Set once the file has been read front to back (or the stream stopped or failed)."""
+        self._reached = 0
+        self._moved = threading.Condition()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ckptflow-stream", daemon=True)
         self._thread.start()
 
+    @property
+    def reached(self) -> int:
+        """How many of the file's first bytes are in the page cache (all, once the stream is over:
+        after a failure the rest is read by whoever touches it)."""
+        return self._size if self.streamed.is_set() else self._reached
+
+    def wait_past(self, offset: int, timeout: float | None = None) -> bool:
+        """Wait until the first ``offset`` bytes are in (or the stream is over); False on timeout."""
+        with self._moved:
+            return self._moved.wait_for(lambda: self.reached >= offset, timeout)
+
+    def _advance(self, off: int) -> None:
+        with self._moved:
+            self._reached = off
+            self._moved.notify_all()
+
     def _run(self) -> None:
+        mapped = 0
         try:
-            self._stream()
+            mapped = self._stream()
         finally:
             self.streamed.set()  # whatever happened: nobody waits for a stream that is over
+            self._advance(self._reached)
         if self._data is not None and not self._stop.is_set():
-            _map_pages(self._data, self._stop)
+            _map_pages(self._data, self._stop, start=mapped)
 
-    def _stream(self) -> None:
+    def _stream(self) -> int:
+        """Stream the file in; how many of its first bytes have their pages mapped as well.
+
+        Each chunk's pages are mapped right after it came in, while the disk reads the next: the
+        pool's threads verify and copy behind the stream (``VerifiedReader._locate_behind``), and
+        find them mapped."""
         if self.warm:
-            return
+            return 0
         try:
             fd = os.open(self._path, os.O_RDONLY)
         except OSError:
-            return  # the load reports it
+            return 0  # the load reports it
         sink = _null()
+        flat = torch.frombuffer(self._data, dtype=torch.uint8) if self._data is not None else None
+        off = 0
         try:
             buf: memoryview | None = None
-            off = 0
             while off < self._size and not self._stop.is_set():
                 n = min(CHUNK, self._size - off)
                 if sink is not None:
                     try:
                         got = os.sendfile(sink, fd, off, n)
-                        if got <= 0:
-                            return
-                        off += got
-                        continue
                     except OSError:  # a file system without splice: plain reads from here on
                         os.close(sink)
                         sink = None
-                buf = buf or memoryview(bytearray(CHUNK))
-                got = os.preadv(fd, [buf[:n]], off)
+                        continue
+                else:
+                    buf = buf or memoryview(bytearray(CHUNK))
+                    got = os.preadv(fd, [buf[:n]], off)
                 if got <= 0:
-                    return
+                    return off
+                if flat is not None:
+                    _map_range(flat, off, got)
                 off += got
+                self._advance(off)
+            return off
         except OSError:
-            return  # only a hint: the load reads the file itself
+            return off  # only a hint: the load reads the file itself
         finally:
             os.close(fd)
             if sink is not None:
@@ -382,9 +456,9 @@ def _looks_resident(path: str, size: int) -> bool:
         os.close(fd)
 
 
-def _map_pages(data: Any, stop: threading.Event | None = None) -> None:
-    """Map every page of ``data`` (a mapped file in the page cache) into the process: one read a
-    ``FAULT_AROUND`` apart, each fault mapping that many bytes of resident pages.
+def _map_pages(data: Any, stop: threading.Event | None = None, start: int = 0) -> None:
+    """Map every page of ``data`` (a mapped file in the page cache) from ``start`` on into the
+    process: one read a ``FAULT_AROUND`` apart, each fault mapping that many bytes of resident pages.
 
     Done by torch ops, which run without the GIL; a loop of system calls here would wait up to
     5 ms for the GIL after each one while the caller plans the load. Not ``MADV_POPULATE_READ``:
@@ -393,7 +467,13 @@ def _map_pages(data: Any, stop: threading.Event | None = None) -> None:
     the mapping's own lock."""
     flat = torch.frombuffer(data, dtype=torch.uint8)
     step = MAP_PIECE // FAULT_AROUND * FAULT_AROUND
-    for a in range(0, len(flat), step):  # pieces below torch's parallel grain: one thread each
+    for a in range(start, len(flat), step):  # pieces below torch's parallel grain: one thread each
         if stop is not None and stop.is_set():
             return
-        flat[a : a + step : FAULT_AROUND].sum()
+        _map_range(flat, a, step)
+
+
+def _map_range(flat: torch.Tensor, start: int, length: int) -> None:
+    """Map the (resident) pages of ``flat[start:start + length]`` into the process: one read a
+    ``FAULT_AROUND`` apart, by a torch op (which holds no GIL)."""
+    flat[start : start + length : FAULT_AROUND].sum()

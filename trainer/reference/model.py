@@ -52,12 +52,14 @@ class ModelConfig:
     @classmethod
     def preset(cls, name: str) -> ModelConfig:
         """Named sizes: ``tiny`` (0.1M) for tests, ``mini`` (2.2M) for the demo, ``small``
-        (~14M params) the default job, ``medium`` (~70M) for benchmarks."""
+        (~14M params) the default job, ``medium`` (~70M) for benchmarks, ``large`` (~218M: a 2.6 GB
+        checkpoint, where a load's fixed costs no longer hide its throughput) for ``bench_load``."""
         presets = {
             "tiny": cls(vocab_size=256, dim=64, n_layers=2, n_heads=4, seq_len=32),
             "mini": cls(vocab_size=1024, dim=192, n_layers=4, n_heads=6, seq_len=64),
             "small": cls(),
             "medium": cls(vocab_size=8192, dim=768, n_layers=8, n_heads=12, seq_len=256),
+            "large": cls(vocab_size=8192, dim=1024, n_layers=16, n_heads=16, seq_len=256),
         }
         if name not in presets:
             raise ConfigError(f"model preset {name!r} is unknown; choose one of {sorted(presets)}")
