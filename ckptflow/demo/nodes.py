@@ -27,7 +27,15 @@ from contextlib import ExitStack
 from typing import Any
 
 from ckptflow.demo import services
-from ckptflow.demo.runner import BUCKET, RUN_ID, DemoOutcome, DemoSettings, _checkpoint_rows, _wait_lifecycles
+from ckptflow.demo.runner import (
+    BUCKET,
+    RUN_ID,
+    DemoOutcome,
+    DemoSettings,
+    _checkpoint_rows,
+    _wait_lifecycles,
+    lifecycle_problems,
+)
 from ckptflow.harness import NodeAgents, Supervisor
 
 POOL = "ckptflow-pool"
@@ -169,9 +177,7 @@ def run_node_demo(s: DemoSettings, nodes: int = 2, say: Callable[[str], None] = 
         except DrillFailed as e:
             out.drill = {"ok": False, "error": str(e)}
             out.problems.append(str(e))
-    bad = [n for n, st in out.lifecycle_states.items() if st != "COMPLETED"]
-    if bad:
-        out.problems.append(f"lifecycle runs not completed: {bad}")
+    out.problems += lifecycle_problems([c["step"] for c in out.checkpoints], out.lifecycle_states)
     out.seconds = time.monotonic() - t0
     out.ok = not out.problems
     with open(os.path.join(wd, "summary.json"), "w") as f:

@@ -70,10 +70,20 @@ def _lifecycle_states() -> dict[str, str]:
     return {r.name: cast("StateType", r.state_type).value for r in runs}
 
 
+RECONCILE_AFTER_S = 45.0
+"""How long the demo waits for a step's lifecycle run to appear before it asks reconcile for it."""
+
+
 def _wait_lifecycles(steps: list[int], timeout: float, say: Callable[[str], None]) -> dict[str, str]:
+    """The lifecycle runs' states once every step's has finished (or at ``timeout``). Events are
+    lossy — one emitted while the server was still loading its automations starts nothing — so a
+    step that has no run ``RECONCILE_AFTER_S`` in is left to reconcile, started once, as the
+    deployment's schedule would (the demo's schedule is an hour)."""
     want = {f"lifecycle-{RUN_ID}-step{s}" for s in steps}
-    deadline = time.monotonic() + timeout
+    t0 = time.monotonic()
+    deadline = t0 + timeout
     last = None
+    reconciled = False
     while time.monotonic() < deadline:
         st = _lifecycle_states()
         done = {n for n in want if st.get(n) in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")}
@@ -82,8 +92,28 @@ def _wait_lifecycles(steps: list[int], timeout: float, say: Callable[[str], None
             last = len(done)
         if done == want:
             return st
+        missing = sorted(want - st.keys())
+        if missing and not reconciled and time.monotonic() - t0 > RECONCILE_AFTER_S:
+            from prefect.deployments import run_deployment
+
+            say(f"  no lifecycle run for {missing} after {RECONCILE_AFTER_S:.0f} s (its event was lost); reconcile")
+            run_deployment("ckptflow-reconcile/reconcile", timeout=0)
+            reconciled = True
         time.sleep(2)
     return _lifecycle_states()
+
+
+def lifecycle_problems(steps: list[int], states: dict[str, str]) -> list[str]:
+    """What is wrong with the lifecycles of ``steps``: runs that did not complete, steps with none."""
+    names = [f"lifecycle-{RUN_ID}-step{s}" for s in steps]
+    out = []
+    bad = [n for n, st in states.items() if st != "COMPLETED"]
+    if bad:
+        out.append(f"lifecycle runs not completed: {bad}")
+    missing = [n for n in names if n not in states]
+    if missing:
+        out.append(f"no lifecycle run at all: {missing}")
+    return out
 
 
 def _checkpoint_rows(cfg_path: str, run_path: str, steps: list[int]) -> list[dict]:
@@ -197,9 +227,7 @@ def run_demo(s: DemoSettings, say: Callable[[str], None] = print) -> DemoOutcome
         except DrillFailed as e:
             out.drill = {"ok": False, "error": str(e)}
             out.problems.append(str(e))
-    bad = [n for n, st in out.lifecycle_states.items() if st != "COMPLETED"]
-    if bad:
-        out.problems.append(f"lifecycle runs not completed: {bad}")
+    out.problems += lifecycle_problems([c["step"] for c in out.checkpoints], out.lifecycle_states)
     out.seconds = time.monotonic() - t0
     out.ok = not out.problems
     with open(os.path.join(wd, "summary.json"), "w") as f:
