@@ -83,12 +83,15 @@ def raw_read(paths: list[str], *, hashing: bool = False, into: memoryview | None
 def parallel_read(paths: list[str], manifest, *, threads: int, into: memoryview | None = None) -> int:  # noqa: ANN001
     """``raw_read`` with the load's checksum on the load's threads: each block the manifest records
     a digest for is read (``preadv`` into the thread's own buffer, which stays in cache) and its
-    digest compared, ``threads`` at a time; ``into``: and copied on into memory (``memmove``, as
-    the load copies). Nothing else of a load: no planning, no locating, no model."""
+    digest compared, ``threads`` at a time; ``into``: and copied on into memory
+    (``memcopy.copy``, as the load copies: streaming stores where built). Nothing else of a load:
+    no planning, no locating, no model."""
     import ctypes
     import threading
 
     import xxhash
+
+    from ckptflow.trainer import memcopy
 
     jobs: list[tuple[str, int, int, str | None, int]] = []  # path, start, length, digest, where in into
     n = 0
@@ -115,7 +118,7 @@ def parallel_read(paths: list[str], manifest, *, threads: int, into: memoryview 
             if d is not None and h != d:
                 bad.append(f"{p}@{a}")
             if into is not None:
-                ctypes.memmove(base + at, src, got)
+                memcopy.copy(base + at, src, got)
 
     try:
         ts = [threading.Thread(target=work, args=(jobs[i::threads],)) for i in range(threads)]
@@ -171,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(one: str, two: str, model: str, reps: int) -> dict:
     import torch.distributed.checkpoint as dcp
 
+    from ckptflow.trainer import memcopy
     from ckptflow.trainer.distenv import init_distributed
     from ckptflow.trainer.loader import load_target, load_verified
     from ckptflow.trainer.manifest import read_manifest
@@ -238,6 +242,7 @@ def run(one: str, two: str, model: str, reps: int) -> dict:
         "seconds": t,
         "MBps": mbs,
         "resident_before_cold": residents,
+        "copy": "streaming stores" if memcopy.STREAMING else "memmove (trainer/_memcopy.c not built)",
     }
 
 
@@ -275,6 +280,7 @@ def report(res: dict) -> None:
         "verified raw warm"
     )
     print(f"  resident before the cold reads: {res['resident_before_cold']}")
+    print(f"  the load's copies: {res.get('copy', '?')}")
 
 
 if __name__ == "__main__":

@@ -140,6 +140,35 @@ SCRIPT = textwrap.dedent("""
     assert step == 1, step
     same(got, snaps[1])
     out["edit_reason"] = " ".join(w for _, w in last.skipped)
+
+    # 5. warm files (all of these are in the page cache now): their items are located in batches
+    #    while the threads verify, each batch's copies scheduled before the next is located
+    from ckptflow.trainer import reader
+    reader.LOCATE_BATCH = 2
+    batches = []
+    locate = reader.VerifiedReader._locate
+    def spy(self, per_file, *args):
+        batches.append(sum(len(v) for v in per_file.values()))
+        return locate(self, per_file, *args)
+    reader.VerifiedReader._locate = spy
+    step, got, _ = load_into()
+    assert step == 2
+    same(got, snaps[2])
+    out["warm_batches"] = batches[:]
+
+    # 6. a zip record damaged in a warm file: reported as the block that does not match (not as the
+    #    parse it broke), and the load falls back
+    shutil.copytree(run, os.path.join(root, "rec"))
+    f6 = os.path.join(root, "rec", "step_000000002", os.path.basename(data))
+    with open(f6, "r+b") as f:
+        f.seek(where.offset + 26)  # the local header's name length: the item no longer parses
+        f.write(bytes([0xFF]))
+    batches.clear()
+    step, got, last = load_into("rec")
+    assert step == 1, step
+    same(got, snaps[1])
+    out["record_reason"] = " ".join(w for _, w in last.skipped)
+    out["record_block"] = (where.offset + 26) // 4096
     print("RESULT " + json.dumps(out))
 """)
 
@@ -166,6 +195,16 @@ def test_a_flipped_byte_fails_its_block_and_the_fallback_overwrites_what_was_cop
 
 def test_an_edited_block_digest_is_refused_though_the_file_checksum_matches(result):
     assert "block 3" in result["edit_reason"]
+
+
+def test_warm_files_are_located_in_batches_while_their_blocks_are_verified(result):
+    batches = result["warm_batches"]
+    assert len(batches) > 3 and max(batches) <= 2, batches
+
+
+def test_a_damaged_zip_record_in_a_warm_file_fails_its_block_not_the_parse(result):
+    assert f"(block {result['record_block']})" in result["record_reason"], result["record_reason"]
+    assert "checksum" in result["record_reason"]
 
 
 def test_file_digest_splits_any_writes_at_block_boundaries():

@@ -13,7 +13,6 @@ Files whose manifest entry predates block digests are one block: the whole file 
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import itertools
 import mmap
@@ -27,6 +26,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.planner import ReadItem
 
+from ckptflow.trainer import memcopy
 from ckptflow.trainer.checksum import CHUNK, block_digest, new_hasher
 from ckptflow.trainer.errors import IntegrityError
 from ckptflow.trainer.manifest import FileEntry
@@ -142,7 +142,7 @@ class Copy:
 
 
 Piece = tuple[Any, Any, int]
-"""``(dst, src, n)``: ``n`` bytes memmoved from address ``src`` to ``dst``, or (``n == 0``) the
+"""``(dst, src, n)``: ``n`` bytes copied (``memcopy.copy``) from address ``src`` to ``dst``, or (``n == 0``) the
 tensor ``src`` copied into the tensor ``dst``."""
 
 
@@ -194,7 +194,7 @@ class Schedule:
                     for k in ks:
                         a, b = max(c.lo, k * bs), min(c.hi, (k + 1) * bs)
                         piece = (
-                            # host memory: a plain memmove (releases the GIL; no tensor views to make)
+                            # host memory: a plain copy of addresses (no GIL; no tensor views to make)
                             (c.dst.data_ptr() + a - c.lo, base.data_ptr() + a, b - a)
                             if flat is None
                             else (flat[a - c.lo : b - c.lo], base[a:b], 0)
@@ -234,7 +234,7 @@ class Schedule:
 def run_pieces(pieces: list[Piece]) -> None:
     for dst, src, n in pieces:
         if n:
-            ctypes.memmove(dst, src, n)
+            memcopy.copy(dst, src, n)  # streaming stores: nothing reads the model's bytes soon
         else:
             dst.copy_(src)
 
