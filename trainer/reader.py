@@ -96,6 +96,8 @@ LOCATE_BATCH = 64
 """Items located per batch behind a stream: each batch's copies are scheduled before the next is
 located, so the threads verifying the first blocks find their copies waiting."""
 WAKE_SECONDS = 0.05
+Item = tuple[ReadItem, Any]
+"""A planned read and its item's record in ``.metadata`` (``storage_data``: file, offset, length)."""
 """How often a thread waiting for a stream looks whether the load stopped meanwhile."""
 
 
@@ -180,9 +182,13 @@ class VerifiedReader(FileSystemReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         t0 = time.perf_counter()
-        per_file: dict[str, list[ReadItem]] = {}
+        # Each item's record looked up once: a MetadataIndex key hashes and compares in Python
+        # (~1 us a look-up; looked up again at each step, they were ~2000 a 309-item load).
+        per_file: dict[str, list[Item]] = {}
+        records = self.storage_data
         for req in plan.items:
-            per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
+            info = records[req.storage_index]
+            per_file.setdefault(info.relative_path, []).append((req, info))
         names = sorted(per_file, key=lambda n: -self._entry(n).size)
         maps = {name: self._mapped(name) for name in names}
         self._ask_for_records(set(names) - set(self._prefetch))
@@ -272,7 +278,7 @@ class VerifiedReader(FileSystemReader):
     def _locate_behind(
         self,
         name: str,
-        reqs: list[ReadItem],
+        items: list[Item],
         maps: dict[str, Any],
         stream: Streamer,
         sched: Schedule,
@@ -283,21 +289,17 @@ class VerifiedReader(FileSystemReader):
         zip records are in its first and last bytes), and schedule their copies at once: those
         whose blocks matched already run now. A cold 2.6 GB load did this after its stream before:
         its digests and copies (0.6 s) ran after the disk was done (1.3 s)."""
-        info = self.storage_data
-
-        def end(req: ReadItem) -> int:
-            return info[req.storage_index].offset + info[req.storage_index].length
-
-        todo = sorted(reqs, key=end)
+        todo = sorted(items, key=lambda it: it[1].offset + it[1].length)
+        ends = [info.offset + info.length for _, info in todo]
         copies: list[Copy] = []
         byte_items: list[tuple[ReadItem, bytes]] = []
         pool = self._threads()
         i = 0
         while i < len(todo) and not pool.stopped:
-            if not stream.wait_past(end(todo[i]), timeout=WAKE_SECONDS):
+            if not stream.wait_past(ends[i], timeout=WAKE_SECONDS):
                 continue
             j, reached = i + 1, stream.reached
-            while j < len(todo) and end(todo[j]) <= reached and j - i < LOCATE_BATCH:
+            while j < len(todo) and ends[j] <= reached and j - i < LOCATE_BATCH:
                 j += 1
             got, got_bytes = self._locate({name: todo[i:j]}, maps, locator, resolve)
             for task in sched.add(got):
@@ -310,7 +312,7 @@ class VerifiedReader(FileSystemReader):
     # -- locating -----------------------------------------------------------------------
     def _locate(
         self,
-        per_file: dict[str, list[ReadItem]],
+        per_file: dict[str, list[Item]],
         maps: dict[str, Any],
         locator: Locator,
         resolve: Callable[[ReadItem], torch.Tensor],
@@ -319,11 +321,10 @@ class VerifiedReader(FileSystemReader):
         items' small zip records), or the bytes themselves for byte items (copied once verified)."""
         copies: list[Copy] = []
         byte_items: list[tuple[ReadItem, bytes]] = []
-        for name, reqs in per_file.items():
+        for name, items in per_file.items():
             buf = memoryview(maps[name]) if len(maps[name]) else memoryview(b"")
             where = os.path.join(self.ckpt_dir, name)
-            for req in reqs:
-                info = self.storage_data[req.storage_index]
+            for req, info in items:
                 if info.transform_descriptors:
                     raise IntegrityError(
                         f"{name}: item {req.storage_index.fqn} uses storage transforms "
