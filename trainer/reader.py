@@ -96,9 +96,10 @@ LOCATE_BATCH = 64
 """Items located per batch behind a stream: each batch's copies are scheduled before the next is
 located, so the threads verifying the first blocks find their copies waiting."""
 WAKE_SECONDS = 0.05
+"""How often a thread waiting for a stream looks whether the load stopped meanwhile."""
+
 Item = tuple[ReadItem, Any]
 """A planned read and its item's record in ``.metadata`` (``storage_data``: file, offset, length)."""
-"""How often a thread waiting for a stream looks whether the load stopped meanwhile."""
 
 
 class VerifiedReader(FileSystemReader):
@@ -183,7 +184,7 @@ class VerifiedReader(FileSystemReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         t0 = time.perf_counter()
         # Each item's record looked up once: a MetadataIndex key hashes and compares in Python
-        # (~1 us a look-up; looked up again at each step, they were ~2000 a 309-item load).
+        # (~0.4 us a look-up; looked up again at each step, they were ~2100 a 309-item load).
         per_file: dict[str, list[Item]] = {}
         records = self.storage_data
         for req in plan.items:
