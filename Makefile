@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 
 .PHONY: setup demo test test-fast lint typecheck check bench clean
 
-$(BIN)/ckptflow: pyproject.toml constraints.txt trainer/_memcopy.c
+$(BIN)/ckptflow: pyproject.toml constraints.txt trainer/_memcopy.c $(wildcard trainer/_xxhash/*)
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch first, pinned: the local CPU build. A looser spec pulls a multi-GB CUDA build.

@@ -42,3 +42,71 @@ def test_the_extension_refuses_what_would_crash_the_process() -> None:
     with pytest.raises(ValueError, match="null"):
         _memcopy.copy(0, 1, 8)
     _memcopy.copy(0, 0, 0)  # nothing to copy: no address is touched
+
+
+needs_verify_copy = pytest.mark.skipif(not memcopy.VERIFY_COPY, reason="the extension is not built here")
+
+
+def _blocks(n: int, bs: int, seed: int = 3) -> tuple[torch.Tensor, list[int]]:
+    import xxhash
+
+    src = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    view = memoryview(src.numpy())
+    return src, [xxhash.xxh3_64_intdigest(view[a : a + bs]) for a in range(0, n, bs)]
+
+
+@needs_verify_copy
+@pytest.mark.parametrize("n", [0, 1, 3, 4, 8, 9, 16, 17, 128, 129, 240, 241, 1024, 4097, (1 << 20) + 3])
+def test_the_extensions_digest_is_xxh3_64_as_python_xxhash_computes_it(n: int) -> None:
+    """The manifest's block digests are python-xxhash's xxh3-64 (its AVX-512 build here): the
+    vendored copy must agree on every length class xxh3 treats differently (0, 1-3, 4-8, 9-16,
+    17-128, 129-240, longer, more than one stripe block)."""
+    import xxhash
+
+    from ckptflow.trainer import _memcopy
+
+    src, _ = _blocks(n + 1, n + 1, seed=n)
+    assert _memcopy.xxh3(src.data_ptr(), n) == xxhash.xxh3_64_intdigest(memoryview(src.numpy())[:n])
+
+
+@needs_verify_copy
+def test_verify_copy_copies_each_block_only_once_it_matched_and_stops_at_the_first_that_does_not() -> None:
+    """Five blocks (the last one short), each with two pieces; the fourth block's digest is wrong:
+    blocks 0-2 arrive whole, nothing of blocks 3 and 4 (their pieces stay untouched), and the call
+    says three matched."""
+    from array import array
+
+    bs, n = 4096, 4 * 4096 + 1000
+    src, digests = _blocks(n, bs)
+    dst = torch.full((n,), 0xA5, dtype=torch.uint8)
+    counts, pieces = array("Q"), array("Q")
+    for a in range(0, n, bs):
+        end = min(a + bs, n)
+        mid = a + (end - a) // 3
+        counts.append(2)
+        for lo, hi in ((a, mid), (mid, end)):
+            pieces.extend((dst.data_ptr() + lo, src.data_ptr() + lo, hi - lo))
+    ok = memcopy.verify_copy(src.data_ptr(), 0, n, bs, array("Q", digests), counts, pieces)
+    assert ok == 5 and torch.equal(dst, src)
+    dst.fill_(0xA5)
+    bad = array("Q", digests)
+    bad[3] ^= 1
+    assert memcopy.verify_copy(src.data_ptr(), 0, n, bs, bad, counts, pieces) == 3
+    assert torch.equal(dst[: 3 * bs], src[: 3 * bs]) and bool((dst[3 * bs :] == 0xA5).all())
+
+
+@needs_verify_copy
+def test_verify_copy_refuses_tables_that_do_not_fit_the_run() -> None:
+    """Counts that claim more pieces than given, or one digest short: a ValueError before any
+    byte is read or written, never a read past the tables."""
+    from array import array
+
+    src, digests = _blocks(8192, 4096)
+    with pytest.raises(ValueError, match="one digest and one piece count per block"):
+        memcopy.verify_copy(src.data_ptr(), 0, 8192, 4096, array("Q", digests), array("Q", [1, 1]), array("Q"))
+    with pytest.raises(ValueError, match="one digest and one piece count per block"):
+        memcopy.verify_copy(src.data_ptr(), 0, 8192, 4096, array("Q", digests[:1]), array("Q", [0, 0]), array("Q"))
+    with pytest.raises(ValueError, match="8-byte"):
+        memcopy.verify_copy(src.data_ptr(), 0, 8192, 4096, array("I", [1, 2, 3, 4]), array("Q", [0, 0]), array("Q"))
+    with pytest.raises(ValueError, match="bad address"):
+        memcopy.verify_copy(0, 0, 8192, 4096, array("Q", digests), array("Q", [0, 0]), array("Q"))

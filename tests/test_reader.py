@@ -169,6 +169,27 @@ SCRIPT = textwrap.dedent("""
     same(got, snaps[1])
     out["record_reason"] = " ".join(w for _, w in last.skipped)
     out["record_block"] = (where.offset + 26) // 4096
+
+    # 7. the C extension verified every run of blocks above, one call each; without it (an install
+    #    with no C compiler) the Python loop verifies block after block, with the same results
+    from ckptflow.trainer import memcopy
+    reader.VerifiedReader._locate = locate
+    runs = []
+    native = reader.verify_run
+    reader.verify_run = lambda run, sched: runs.append(len(run)) or native(run, sched)
+    step, got, _ = load_into()
+    assert step == 2
+    same(got, snaps[2])
+    out["native_runs"] = list(runs) if memcopy.VERIFY_COPY else None
+    memcopy.VERIFY_COPY = False
+    runs.clear()
+    step, got, _ = load_into()
+    assert step == 2 and not runs
+    same(got, snaps[2])
+    step, got, last = load_into("flip")
+    assert step == 1, step
+    same(got, snaps[1])
+    out["python_flip_reason"] = " ".join(w for _, w in last.skipped)
     print("RESULT " + json.dumps(out))
 """)
 
@@ -205,6 +226,13 @@ def test_warm_files_are_located_in_batches_while_their_blocks_are_verified(resul
 def test_a_damaged_zip_record_in_a_warm_file_fails_its_block_not_the_parse(result):
     assert f"(block {result['record_block']})" in result["record_reason"], result["record_reason"]
     assert "checksum" in result["record_reason"]
+
+
+def test_runs_of_blocks_are_verified_in_one_call_each_and_the_python_loop_matches_them(result):
+    if result["native_runs"] is None:
+        pytest.skip("the C extension is not built here")
+    assert sum(result["native_runs"]) >= result["blocks"] and max(result["native_runs"]) > 1
+    assert f"(block {result['flip_block']})" in result["python_flip_reason"]
 
 
 def test_file_digest_splits_any_writes_at_block_boundaries():
@@ -336,3 +364,43 @@ def test_a_stream_says_how_far_it_is_and_waits_past_an_offset(tmp_path):
     gone = Streamer(str(tmp_path / "missing"), 100)
     assert gone.wait_past(100, timeout=30) and gone.reached == 100
     gone.stop()
+
+
+@pytest.mark.skipif(not __import__("ckptflow.trainer.memcopy").trainer.memcopy.VERIFY_COPY, reason="no C extension")
+def test_a_run_verified_in_one_call_copies_pieces_added_meanwhile_and_stops_at_a_bad_block(tmp_path, monkeypatch):
+    """``verify_run`` takes the pieces waiting for its blocks, verifies and copies in one call; a copy
+    added while that call runs (the items are located meanwhile) is copied once its block matched,
+    by the same thread. A block that does not match stops the run: its bytes and those after it
+    stay uncopied, and the blocks before it count as matched."""
+    import dataclasses
+
+    import torch
+
+    from ckptflow.trainer import memcopy, verifiedcopy
+    from ckptflow.trainer.verifiedcopy import Copy, Schedule, verify_run
+
+    data, _, mapped, blocks = _file_with_blocks(tmp_path, 4096 * 6, 4096)
+    src = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    early = torch.zeros(4096 * 2, dtype=torch.uint8)
+    late = torch.zeros(4096 * 2 - 10, dtype=torch.uint8)
+    sched = Schedule(blocks, {"f.bin": mapped}, threads=2)
+    assert sched.add([Copy(None, early, "f.bin", 0, 4096 * 2, torch.uint8, None)]) == []  # type: ignore[arg-type]
+    real = memcopy.verify_copy
+
+    def while_running(*args):  # noqa: ANN002, ANN202
+        assert sched.add([Copy(None, late, "f.bin", 4096 + 10, 4096 * 3, torch.uint8, None)]) == []  # type: ignore[arg-type]
+        return real(*args)
+
+    monkeypatch.setattr(verifiedcopy.memcopy, "verify_copy", while_running)
+    n, tasks = verify_run(blocks[:3], sched)
+    assert n == 3 and tasks == []
+    assert torch.equal(early, src[: 4096 * 2]) and torch.equal(late, src[4096 + 10 : 4096 * 3])
+    monkeypatch.setattr(verifiedcopy.memcopy, "verify_copy", real)
+
+    rest = torch.zeros(4096 * 3, dtype=torch.uint8)
+    assert sched.add([Copy(None, rest, "f.bin", 4096 * 3, 4096 * 6, torch.uint8, None)]) == []  # type: ignore[arg-type]
+    bad = [blocks[3], dataclasses.replace(blocks[4], digest="0" * 16), blocks[5]]
+    n, _ = verify_run(bad, sched)
+    assert n == 1
+    assert torch.equal(rest[:4096], src[4096 * 3 : 4096 * 4]) and not rest[4096:].any()
+    assert ("f.bin", 3) in sched.matched and ("f.bin", 4) not in sched.matched

@@ -1,14 +1,33 @@
-/* Copying a large run of bytes with streaming (non-temporal) stores: trainer/memcopy.py says why.
+/* The load's data phase in C, without the GIL: trainer/memcopy.py says why.
  *
- * copy(dst, src, n): n bytes from address src to address dst, without the GIL. The two ranges
- * must not overlap. On x86-64 the bulk is written with SSE2's MOVNTDQ, 64 bytes (one cache line)
- * at a time from a 64-byte-aligned destination, and an SFENCE orders those stores before the call
- * returns; the unaligned head and the tail go through memcpy. Elsewhere: memcpy. */
+ * copy(dst, src, n): n bytes from address src to address dst. The two ranges must not overlap.
+ * On x86-64 the bulk is written with SSE2's MOVNTDQ, 64 bytes (one cache line) at a time from a
+ * 64-byte-aligned destination, and an SFENCE orders those stores before the call returns; the
+ * unaligned head and the tail go through memcpy. Elsewhere: memcpy.
+ *
+ * verify_copy(...): a run of consecutive blocks of a mapped file, each hashed (xxh3-64) and
+ * compared with its expected digest, and each block's pieces copied right after it matched (while
+ * its bytes are still in cache), stopping at the first block that does not match. One call per
+ * run instead of a Python round per block: the pool's threads then hardly need the GIL, which the
+ * thread planning the load holds most of the time.
+ *
+ * xxh3(addr, n): the xxh3-64 digest of n bytes (for the tests: the same function as python-xxhash's).
+ *
+ * xxHash is vendored in _xxhash/ (BSD 2-Clause, its LICENSE beside it), with its own runtime
+ * dispatch on x86-64 (AVX-512, AVX2 or SSE2, whatever the CPU has; the file is built with the
+ * baseline flags). */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+
+#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
+#include "_xxhash/xxh_x86dispatch.c" /* XXH3_64bits: the best of SSE2 / AVX2 / AVX-512 at run time */
+#else
+#define XXH_INLINE_ALL
+#include "_xxhash/xxhash.h"
+#endif
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <emmintrin.h>
@@ -66,9 +85,115 @@ static PyObject *copy(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+#define STREAM_FROM (64 << 10) /* as memcopy.STREAM_FROM: smaller pieces go through memcpy */
+
+static void copy_piece(char *d, const char *s, size_t n)
+{
+    if (n >= STREAM_FROM)
+        stream_copy(d, s, n);
+    else
+        memcpy(d, s, n);
+}
+
+/* A read-only contiguous buffer of n uint64 values (an array('Q') or the like). */
+static int u64_buffer(PyObject *obj, Py_buffer *view, const char *what)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    if (view->len % 8 || view->itemsize != 8) {
+        PyErr_Format(PyExc_ValueError, "verify_copy: %s must hold 8-byte unsigned integers", what);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *verify_copy(PyObject *self, PyObject *args)
+{
+    unsigned long long base;
+    Py_ssize_t start, end, bs;
+    PyObject *digests_obj, *counts_obj, *pieces_obj;
+    Py_buffer dv, cv, pv;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KnnnOOO:verify_copy", &base, &start, &end, &bs, &digests_obj, &counts_obj,
+                          &pieces_obj))
+        return NULL;
+    if (!base || start < 0 || end < start || bs <= 0) {
+        PyErr_SetString(PyExc_ValueError, "verify_copy: bad address or range");
+        return NULL;
+    }
+    if (u64_buffer(digests_obj, &dv, "digests") < 0)
+        return NULL;
+    if (u64_buffer(counts_obj, &cv, "counts") < 0) {
+        PyBuffer_Release(&dv);
+        return NULL;
+    }
+    if (u64_buffer(pieces_obj, &pv, "pieces") < 0) {
+        PyBuffer_Release(&dv);
+        PyBuffer_Release(&cv);
+        return NULL;
+    }
+    Py_ssize_t nblocks = (end - start + bs - 1) / bs;
+    const uint64_t *digests = (const uint64_t *)dv.buf, *counts = (const uint64_t *)cv.buf;
+    const uint64_t *pieces = (const uint64_t *)pv.buf;
+    Py_ssize_t npieces = pv.len / 24, total = 0;
+    int ok = dv.len / 8 == nblocks && cv.len / 8 == nblocks && pv.len % 24 == 0;
+    for (Py_ssize_t i = 0; ok && i < nblocks; i++) {
+        total += (Py_ssize_t)counts[i];
+        ok = counts[i] <= (uint64_t)npieces && total <= npieces;
+    }
+    if (!ok || total != npieces) {
+        PyBuffer_Release(&dv);
+        PyBuffer_Release(&cv);
+        PyBuffer_Release(&pv);
+        PyErr_SetString(PyExc_ValueError, "verify_copy: one digest and one piece count per block, and "
+                                          "(dst, src, n) for every piece counted");
+        return NULL;
+    }
+    Py_ssize_t matched = 0;
+    Py_BEGIN_ALLOW_THREADS
+    const uint64_t *p = pieces;
+    for (; matched < nblocks; matched++) {
+        Py_ssize_t a = start + matched * bs, b = a + bs < end ? a + bs : end;
+        if (XXH3_64bits((const void *)(uintptr_t)(base + (uint64_t)a), (size_t)(b - a)) != digests[matched])
+            break;
+        for (uint64_t k = 0; k < counts[matched]; k++, p += 3)
+            copy_piece((char *)(uintptr_t)p[0], (const char *)(uintptr_t)p[1], (size_t)p[2]);
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&dv);
+    PyBuffer_Release(&cv);
+    PyBuffer_Release(&pv);
+    return PyLong_FromSsize_t(matched);
+}
+
+static PyObject *xxh3(PyObject *self, PyObject *args)
+{
+    unsigned long long addr;
+    Py_ssize_t n;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "Kn:xxh3", &addr, &n))
+        return NULL;
+    if (n < 0 || (n && !addr)) {
+        PyErr_SetString(PyExc_ValueError, "xxh3: bad address or length");
+        return NULL;
+    }
+    XXH64_hash_t h;
+    Py_BEGIN_ALLOW_THREADS
+    h = XXH3_64bits((const void *)(uintptr_t)addr, (size_t)n);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromUnsignedLongLong(h);
+}
+
 static PyMethodDef methods[] = {
     {"copy", copy, METH_VARARGS, "copy(dst, src, n): n bytes from address src to dst (not overlapping), "
                                  "with streaming stores where the CPU has them; without the GIL."},
+    {"verify_copy", verify_copy, METH_VARARGS,
+     "verify_copy(base, start, end, bs, digests, counts, pieces) -> blocks matched: the blocks "
+     "[start + i*bs, min(start + (i+1)*bs, end)) of the memory at address base, each hashed (xxh3-64) "
+     "and compared with digests[i], then its counts[i] pieces (dst, src, n: consecutive triples in "
+     "pieces) copied; stops at the first block that does not match. Buffers of uint64; no GIL."},
+    {"xxh3", xxh3, METH_VARARGS, "xxh3(addr, n) -> the xxh3-64 digest of n bytes at addr (no GIL)."},
     {NULL, NULL, 0, NULL},
 };
 

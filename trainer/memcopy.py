@@ -15,11 +15,17 @@ of an 835 MB file on 2 threads, the load's own pattern, 58 -> 47 ms.
 The copy is the C extension ``_memcopy`` (``trainer/_memcopy.c``, built at install; optional).
 Where it is missing — built without a C compiler, another CPU — :func:`copy` is ``memmove``.
 Both run without the GIL.
+
+:func:`verify_copy` is the load's inner loop in the same extension: a run of blocks hashed, each
+compared with its digest and its pieces copied right after it matched, in one call without the
+GIL (``VerifiedReader._verify_run``; without the extension that loop runs in Python, a block at a
+time).
 """
 
 from __future__ import annotations
 
 import ctypes
+from array import array
 from typing import Any
 
 try:
@@ -44,3 +50,16 @@ def copy(dst: int, src: int, n: int) -> None:
         _memcopy.copy(dst, src, n)
     else:
         ctypes.memmove(dst, src, n)
+
+
+VERIFY_COPY = bool(_memcopy is not None and hasattr(_memcopy, "verify_copy"))
+"""Whether :func:`verify_copy` is there (the extension is built; it is on every platform it builds on)."""
+
+
+def verify_copy(base: int, start: int, end: int, bs: int, digests: array, counts: array, pieces: array) -> int:
+    """Hash blocks ``[start + i*bs, min(start + (i+1)*bs, end))`` of the memory at address ``base``
+    (xxh3-64), compare each with ``digests[i]`` and copy its ``counts[i]`` pieces — consecutive
+    ``(dst, src, n)`` triples in ``pieces`` — right after it matched; stop at the first block that
+    does not match. Returns how many blocks matched (all: ``len(digests)``). ``array('Q')`` each;
+    no GIL. Only where :data:`VERIFY_COPY`."""
+    return int(_memcopy.verify_copy(base, start, end, bs, digests, counts, pieces))

@@ -66,7 +66,7 @@ from torch.distributed.checkpoint.planner_helpers import _create_chunk_list, _cr
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from ckptflow.trainer import layout
+from ckptflow.trainer import layout, memcopy
 from ckptflow.trainer.dcpmeta import MAX_METADATA_BYTES, loads_dcp_metadata
 from ckptflow.trainer.errors import IntegrityError
 from ckptflow.trainer.manifest import FileEntry, Manifest
@@ -83,6 +83,7 @@ from ckptflow.trainer.verifiedcopy import (
     run_pieces,
     runs,
     verify,
+    verify_run,
 )
 from ckptflow.trainer.verify import resolve_member
 
@@ -264,6 +265,17 @@ class VerifiedReader(FileSystemReader):
                 if pool.stopped:
                     return
         path = os.path.join(self.ckpt_dir, run[0].name)
+        if sched is not None and memcopy.VERIFY_COPY and not run[0].whole:
+            if pool.stopped:
+                return
+            n, tasks = verify_run(run, sched)
+            for task in tasks:
+                pool.submit(0, task)
+            if n < len(run):
+                raise verify(data, run[n], path) or IntegrityError(
+                    f"{path}: block {run[n].index} did not match its digest, then did; not loading it", path=path
+                )
+            return
         for b in run:
             if pool.stopped:
                 return  # another block failed: the load stops, nothing more is copied
