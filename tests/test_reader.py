@@ -282,6 +282,12 @@ def test_manifest_block_digests_round_trip_and_malformed_ones_are_refused():
             Manifest.from_json(_manifest(bad), source="m", key=b"")
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _file_with_blocks(tmp_path, nbytes: int, block: int):  # noqa: ANN001, ANN202
     """A real file, mapped, and its blocks with their digests (as ``blocks_of`` builds them)."""
     import mmap
@@ -300,7 +306,12 @@ def _file_with_blocks(tmp_path, nbytes: int, block: int):  # noqa: ANN001, ANN20
     return data, path, mapped, blocks
 
 
-def test_copies_added_before_or_after_their_blocks_matched_copy_only_matched_bytes(tmp_path):
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not _cuda(), reason="no CUDA device"))]
+"""Host destinations, and CUDA ones (staged in pinned memory, copied asynchronously) where there is a GPU."""
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_copies_added_before_or_after_their_blocks_matched_copy_only_matched_bytes(tmp_path, device):
     """``Schedule.add`` may come before a block's match or after it (a cold file's items are
     located behind its stream): a piece runs at whichever comes second, never before its block
     matched, and every copy ends whole — also a strided one spanning blocks."""
@@ -309,9 +320,9 @@ def test_copies_added_before_or_after_their_blocks_matched_copy_only_matched_byt
     from ckptflow.trainer.verifiedcopy import Copy, Schedule, run_pieces
 
     data, _, mapped, blocks = _file_with_blocks(tmp_path, 4096 * 6, 4096)
-    src = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    dst = torch.zeros(4096 * 5, dtype=torch.uint8)
-    strided = torch.zeros(1024, dtype=torch.uint8)
+    src = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    dst = torch.zeros(4096 * 5, dtype=torch.uint8, device=device)
+    strided = torch.zeros(1024, dtype=torch.uint8, device=device)
     sched = Schedule(blocks, {"f.bin": mapped}, threads=2)
 
     def copy(lo: int, hi: int, out: torch.Tensor, view: torch.Tensor | None = None) -> Copy:
@@ -326,17 +337,19 @@ def test_copies_added_before_or_after_their_blocks_matched_copy_only_matched_byt
     now = sched.add([copy(100, 100 + dst.numel(), dst), copy(4096 * 3, 4096 * 3 + 12 * 1023 + 1, strided, view)])
     for t in now:
         t()
+    sched.settle()
     assert torch.equal(dst[: 2 * 4096 - 100], src[100 : 2 * 4096])  # the bytes of blocks 0 and 1
     assert not dst[2 * 4096 - 100 :].any() and not strided.any()  # nothing of a block not matched
     for k in (2, 3, 4):
         pieces, tasks = sched.match(blocks[k])
-        run_pieces(pieces)
+        run_pieces(pieces, sched.device)
         done += tasks
     assert done == [] and not strided.any()  # the strided copy still waits for block 5
     pieces, tasks = sched.match(blocks[5])
-    run_pieces(pieces)
+    run_pieces(pieces, sched.device)
     for t in tasks:
         t()
+    sched.settle()
     assert torch.equal(dst, src[100 : 100 + dst.numel()])
     assert torch.equal(strided, src[4096 * 3 : 4096 * 3 + 12 * 1024 : 12])
 
@@ -367,7 +380,10 @@ def test_a_stream_says_how_far_it_is_and_waits_past_an_offset(tmp_path):
 
 
 @pytest.mark.skipif(not __import__("ckptflow.trainer.memcopy").trainer.memcopy.VERIFY_COPY, reason="no C extension")
-def test_a_run_verified_in_one_call_copies_pieces_added_meanwhile_and_stops_at_a_bad_block(tmp_path, monkeypatch):
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_run_verified_in_one_call_copies_pieces_added_meanwhile_and_stops_at_a_bad_block(
+    tmp_path, monkeypatch, device
+):
     """``verify_run`` takes the pieces waiting for its blocks, verifies and copies in one call; a copy
     added while that call runs (the items are located meanwhile) is copied once its block matched,
     by the same thread. A block that does not match stops the run: its bytes and those after it
@@ -380,9 +396,9 @@ def test_a_run_verified_in_one_call_copies_pieces_added_meanwhile_and_stops_at_a
     from ckptflow.trainer.verifiedcopy import Copy, Schedule, verify_run
 
     data, _, mapped, blocks = _file_with_blocks(tmp_path, 4096 * 6, 4096)
-    src = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    early = torch.zeros(4096 * 2, dtype=torch.uint8)
-    late = torch.zeros(4096 * 2 - 10, dtype=torch.uint8)
+    src = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    early = torch.zeros(4096 * 2, dtype=torch.uint8, device=device)
+    late = torch.zeros(4096 * 2 - 10, dtype=torch.uint8, device=device)
     sched = Schedule(blocks, {"f.bin": mapped}, threads=2)
     assert sched.add([Copy(None, early, "f.bin", 0, 4096 * 2, torch.uint8, None)]) == []  # type: ignore[arg-type]
     real = memcopy.verify_copy
@@ -393,14 +409,16 @@ def test_a_run_verified_in_one_call_copies_pieces_added_meanwhile_and_stops_at_a
 
     monkeypatch.setattr(verifiedcopy.memcopy, "verify_copy", while_running)
     n, tasks = verify_run(blocks[:3], sched)
+    sched.settle()
     assert n == 3 and tasks == []
     assert torch.equal(early, src[: 4096 * 2]) and torch.equal(late, src[4096 + 10 : 4096 * 3])
     monkeypatch.setattr(verifiedcopy.memcopy, "verify_copy", real)
 
-    rest = torch.zeros(4096 * 3, dtype=torch.uint8)
+    rest = torch.zeros(4096 * 3, dtype=torch.uint8, device=device)
     assert sched.add([Copy(None, rest, "f.bin", 4096 * 3, 4096 * 6, torch.uint8, None)]) == []  # type: ignore[arg-type]
     bad = [blocks[3], dataclasses.replace(blocks[4], digest="0" * 16), blocks[5]]
     n, _ = verify_run(bad, sched)
+    sched.settle()
     assert n == 1
     assert torch.equal(rest[:4096], src[4096 * 3 : 4096 * 4]) and not rest[4096:].any()
     assert ("f.bin", 3) in sched.matched and ("f.bin", 4) not in sched.matched

@@ -24,7 +24,9 @@ stay standard DCP, vanilla PyTorch still reads them — differently:
   numpy's array rebuilders allowed for checkpoints written before state layout 2.
 
 Copies of host memory use streaming stores (``trainer/memcopy.py``): the model's bytes are not
-read again soon, and a plain ``memmove`` first reads every destination line into the cache.
+read again soon, and a plain ``memmove`` first reads every destination line into the cache. Bytes
+bound for a CUDA tensor are staged in pinned memory and copied asynchronously
+(``trainer/devicecopy.py``); the load waits for those copies before it returns or raises.
 
 Warm files are verified, located and copied as cold files streamed first are (below), their
 stream over at once: the threads start on the first blocks while the items are located in batches.
@@ -203,6 +205,7 @@ class VerifiedReader(FileSystemReader):
         along = self._stream_first | self._warm
         behind = {n: st for n in names if n in along and (st := self._stream_of.get(n)) is not None}
         locator, resolve = Locator(), _resolver(planner)
+        sched: Schedule | None = None
         try:
             try:
                 copies, byte_items = self._locate(
@@ -231,7 +234,9 @@ class VerifiedReader(FileSystemReader):
                 raise
             self._threads().drain()
         finally:
-            self.close()  # no thread touches a destination after this returns or raises
+            self.close()  # no thread touches a destination after this returns or raises,
+            if sched is not None:
+                sched.settle()  # and no copy to a device is still in flight
         self.bytes_read += sum(len(m) for m in maps.values())
         self.read_seconds += time.perf_counter() - t0
         for req, data in byte_items:
@@ -284,7 +289,7 @@ class VerifiedReader(FileSystemReader):
                 raise err
             if sched is not None:
                 pieces, tasks = sched.match(b)
-                run_pieces(pieces)
+                run_pieces(pieces, sched.device)
                 for task in tasks:
                     pool.submit(0, task)
 

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from ckptflow.trainer import memcopy
 from ckptflow.trainer.checksum import CHUNK, block_digest, new_hasher
+from ckptflow.trainer.devicecopy import DeviceCopies, Span, staged
 from ckptflow.trainer.errors import IntegrityError
 from ckptflow.trainer.manifest import FileEntry
 
@@ -143,8 +144,10 @@ class Copy:
 
 
 Piece = tuple[Any, Any, int]
-"""``(dst, src, n)``: ``n`` bytes copied (``memcopy.copy``) from address ``src`` to ``dst``, or (``n == 0``) the
-tensor ``src`` copied into the tensor ``dst``."""
+"""``(dst, src, n)``: ``n`` bytes from address ``src`` to ``dst`` — an address (host memory: ``memcopy.copy``)
+or ``(flat, at)``, byte ``at`` of a CUDA tensor viewed as flat uint8 (staged in pinned memory, then copied
+asynchronously: ``trainer/devicecopy.py``) — or (``n == 0``) the tensor ``src`` copied into the tensor
+``dst`` (any other device)."""
 
 
 class Schedule:
@@ -159,7 +162,10 @@ class Schedule:
     Copies may be added while blocks are being verified (:meth:`add`: a cold file's items are
     located behind its stream, after their blocks may have matched): what was added before its
     block matched runs at the match, what was added after runs at once. Either way no byte is
-    copied before its block matched (one lock orders the two)."""
+    copied before its block matched (one lock orders the two).
+
+    Copies to a CUDA device are enqueued on the copying thread's stream and not waited for:
+    :meth:`settle` waits for them all (``device``)."""
 
     def __init__(self, blocks: list[Block], maps: dict[str, Any], threads: int) -> None:
         self.threads = threads
@@ -171,6 +177,11 @@ class Schedule:
         self.matched: set[tuple[str, int]] = set()
         self._geometry = {b.name: (b.whole, b.end - b.start) for b in blocks if b.index == 0}
         self._bases = {n: torch.frombuffer(maps[n], dtype=torch.uint8) for n in self._geometry}
+        self.device = DeviceCopies()
+
+    def settle(self) -> None:
+        """Wait for the device copies enqueued so far (call before handing the tensors on, or returning)."""
+        self.device.settle()
 
     def add(self, copies: list[Copy]) -> list[Callable[[], Any]]:
         """Schedule ``copies``; returns those whose blocks all matched already, as tasks to run."""
@@ -192,14 +203,16 @@ class Schedule:
                     base = self._bases[c.name]
                     host = c.dst.device.type == "cpu"
                     flat = None if host else c.dst.reshape(-1).view(torch.uint8)
+                    pinned = flat is not None and staged(flat)
                     for k in ks:
                         a, b = max(c.lo, k * bs), min(c.hi, (k + 1) * bs)
-                        piece = (
-                            # host memory: a plain copy of addresses (no GIL; no tensor views to make)
-                            (c.dst.data_ptr() + a - c.lo, base.data_ptr() + a, b - a)
-                            if flat is None
-                            else (flat[a - c.lo : b - c.lo], base[a:b], 0)
-                        )
+                        piece: Piece
+                        if flat is None:  # host memory: a plain copy of addresses (no GIL; no tensor views to make)
+                            piece = (c.dst.data_ptr() + a - c.lo, base.data_ptr() + a, b - a)
+                        elif pinned:
+                            piece = ((flat, a - c.lo), base.data_ptr() + a, b - a)
+                        else:
+                            piece = (flat[a - c.lo : b - c.lo], base[a:b], 0)
                         if (c.name, k) in self.matched:
                             now.append(piece)
                         else:
@@ -212,7 +225,7 @@ class Schedule:
                     wait = [len(left), task]
                     for k in left:
                         self.waits.setdefault((c.name, k), []).append(wait)
-        return tasks + [functools.partial(run_pieces, batch) for batch in _by_bytes(now, TASK_BYTES)]
+        return tasks + [functools.partial(run_pieces, batch, self.device) for batch in _by_bytes(now, TASK_BYTES)]
 
     def base(self, name: str) -> int:
         """The address of file ``name``'s mapped bytes."""
@@ -254,33 +267,59 @@ def verify_run(run: list[Block], sched: Schedule) -> tuple[int, list[Callable[[]
     Per block, the Python loop (digest, compare, :meth:`Schedule.match`, copies) took the GIL three or
     four times, while the thread planning and locating the load holds it most of the time (each
     wait for it can last a switch interval, 5 ms); here a run (``TASK_BYTES``) costs one round.
-    Interleaved A/B, this host: an 835 MB warm load 89.0 -> 82.5 ms, a 167 MB one 27.3 -> 25.8 ms."""
-    try:
-        digests = array("Q", [int(b.digest, 16) for b in run])
-    except (ValueError, OverflowError):  # not a digest: the first block is reported as not matching
-        return 0, []
+    Interleaved A/B, this host: an 835 MB warm load 89.0 -> 82.5 ms, a 167 MB one 27.3 -> 25.8 ms.
+
+    Pieces bound for a CUDA tensor are copied by the same call into one pinned buffer (a host copy
+    like the others, right after their block matched), and their device copies are enqueued once
+    it returned, for the blocks that matched only."""
+    digests = array("Q", [int(b.digest, 16) for b in run])  # 16 hex digits each (Manifest.from_json)
     bs = run[0].end - run[0].start
+    claimed = sched.claim(run)
+    to_device = sum(p[2] for pieces in claimed for p in pieces if p[2] and type(p[0]) is not int)
+    buf = sched.device.buffer(to_device) if to_device else None
+    pinned, off = (buf.data_ptr() if buf is not None else 0), 0
     counts, host = array("Q"), array("Q")
-    tensors: list[list[Piece]] = []  # (device destinations) copied once their block matched
-    for pieces in sched.claim(run):
-        mine = [p for p in pieces if p[2]]
-        counts.append(len(mine))
-        for p in mine:
-            host.extend(p)
-        tensors.append([p for p in pieces if not p[2]])
+    tensors: list[list[Piece]] = []  # (other devices) copied by torch once their block matched
+    spans: list[list[Span]] = []  # (CUDA) out of buf, enqueued once their block matched
+    for pieces in claimed:
+        mine = 0
+        tensors_k: list[Piece] = []
+        spans_k: list[Span] = []
+        for dst, src, n in pieces:
+            if not n:
+                tensors_k.append((dst, src, n))
+                continue
+            if type(dst) is not int:  # a CUDA tensor: its bytes go to buf first
+                spans_k.append((dst[0], dst[1], off, n))
+                dst = pinned + off
+                off += n
+            host.extend((dst, src, n))
+            mine += 1
+        counts.append(mine)
+        tensors.append(tensors_k)
+        spans.append(spans_k)
     n = memcopy.verify_copy(sched.base(run[0].name), run[0].start, run[-1].end, bs, digests, counts, host)
-    run_pieces([p for batch in tensors[:n] for p in batch])
+    if buf is not None:
+        sched.device.issue(buf, [s for batch in spans[:n] for s in batch])
+    run_pieces([p for batch in tensors[:n] for p in batch], sched.device)
     late, tasks = sched.match(*run[:n])  # pieces added while the run was verified: copied now
-    run_pieces(late)
+    run_pieces(late, sched.device)
     return n, tasks
 
 
-def run_pieces(pieces: list[Piece]) -> None:
-    for dst, src, n in pieces:
-        if n:
+def run_pieces(pieces: list[Piece], device: DeviceCopies) -> None:
+    """Copy ``pieces`` (their blocks matched); CUDA ones through ``device`` (staged, enqueued)."""
+    to_device = []
+    for p in pieces:
+        dst, src, n = p
+        if not n:
+            dst.copy_(src)
+        elif type(dst) is int:
             memcopy.copy(dst, src, n)  # streaming stores: nothing reads the model's bytes soon
         else:
-            dst.copy_(src)
+            to_device.append(p)
+    if to_device:
+        device.copy(to_device)
 
 
 def _by_bytes(pieces: list[Piece], size: int) -> list[list[Piece]]:
