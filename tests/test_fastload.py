@@ -6,6 +6,7 @@ exchange — each checked against what DCP itself does, plus a real 2-rank fallb
 from __future__ import annotations
 
 import io
+import math
 import os
 import pickle
 import textwrap
@@ -64,6 +65,97 @@ def test_plan_is_dcps_for_whole_chunks_and_for_resharding():
     ref, ours = _plans(state, md)
     assert ours == ref
     assert sum(1 for r in ours if r.dest_index.fqn == "halves") == 2
+
+
+def _fields(items: list) -> list[tuple]:
+    """Every field of each read, the chunk indices too (``ReadItem`` equality skips them), in order."""
+    return [
+        (
+            r.type,
+            r.dest_index.fqn,
+            r.dest_index.offset,
+            r.dest_index.index,
+            tuple(r.dest_offsets),
+            r.storage_index.fqn,
+            r.storage_index.offset,
+            r.storage_index.index,
+            tuple(r.storage_offsets),
+            tuple(r.lengths),
+        )
+        for r in items
+    ]
+
+
+def test_plan_of_a_whole_tensor_from_saved_shards_is_dcps_read_for_read(monkeypatch):
+    """Saved at another world size, loaded whole: one read per non-empty saved chunk, in the order
+    of DCP's sweep (its dimension of largest extent), with the same chunk indices."""
+    md = _md(
+        rows=((6, 4), [((0, 0), (2, 4)), ((2, 0), (2, 4)), ((4, 0), (2, 4))]),
+        # listed out of order, uneven, with an empty chunk (more ranks than rows)
+        uneven=((5, 3), [((3, 0), (2, 3)), ((0, 0), (3, 3)), ((5, 0), (0, 3))]),
+        cols=((2, 8), [((0, 4), (2, 4)), ((0, 0), (2, 4))]),  # sweep dimension 1, not 0
+        grid=(
+            (4, 4, 2),
+            [((2, 2, 0), (2, 2, 2)), ((0, 0, 0), (2, 2, 2)), ((0, 2, 0), (2, 2, 2)), ((2, 0, 0), (2, 2, 2))],
+        ),
+        vec=((7,), [((4,), (3,)), ((0,), (4,))]),
+    )
+    state = {
+        "rows": torch.zeros(6, 4),
+        "uneven": torch.zeros(5, 3),
+        "cols": torch.zeros(2, 8),
+        "grid": torch.zeros(4, 4, 2),
+        "vec": torch.zeros(7),
+    }
+    ref, ours = _plans(state, md)
+    assert _fields(ours) == _fields(ref)
+    assert len(ours) == 3 + 2 + 2 + 4 + 2
+
+    def swept(*a: object) -> None:
+        raise AssertionError("planned through DCP's sweep")
+
+    monkeypatch.setattr("ckptflow.trainer.reader._create_read_items", swept)
+    assert _fields(_plans(state, md)[1]) == _fields(ref)  # and without it
+
+
+def test_plan_of_chunks_outside_the_tensor_goes_to_dcps_path():
+    md = _md(w=((4, 3), [((0, 0), (2, 3)), ((2, 0), (3, 3))]))  # runs past row 4
+    ref, ours = _plans({"w": torch.zeros(4, 3)}, md)
+    assert _fields(ours) == _fields(ref)
+
+
+@pytest.mark.parametrize(
+    ("shape", "offsets", "lengths", "run"),
+    [
+        ((6, 4), (2, 0), (3, 4), True),  # rows
+        ((6, 4), (0, 0), (6, 4), True),
+        ((6, 4), (3, 1), (1, 2), True),  # part of one row
+        ((6, 4), (2, 1), (2, 2), False),  # a block of columns
+        ((6, 4), (0, 2), (6, 2), False),
+        ((3, 4, 5), (1, 0, 0), (2, 4, 5), True),
+        ((3, 4, 5), (1, 2, 0), (1, 2, 5), True),
+        ((3, 4, 5), (1, 2, 0), (2, 2, 5), False),
+        ((3, 4, 5), (0, 0, 0), (1, 1, 1), True),
+        ((6, 4), (5, 0), (2, 4), None),  # past the end: narrow's error, not a run
+    ],
+)
+def test_a_region_of_a_saved_tensor_is_one_run_only_where_its_narrowed_view_is(shape, offsets, lengths, run):
+    from ckptflow.trainer.reader import _run_start
+
+    t = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+    ti = tensor_item(_saved(t), "x")
+    got = _run_start(ti, torch.Size(offsets), torch.Size(lengths))
+    if run is None:
+        assert got is None
+        return
+    view = t
+    for d, (o, n) in enumerate(zip(offsets, lengths, strict=True)):
+        view = view.narrow(d, o, n)
+    assert (got is not None) == run == view.is_contiguous()
+    if run:
+        assert got == view.storage_offset()
+        flat = t.reshape(-1)
+        assert torch.equal(flat[got : got + view.numel()].reshape(view.shape), view)
 
 
 def test_plan_keeps_dcps_errors():
