@@ -110,3 +110,37 @@ def test_verify_copy_refuses_tables_that_do_not_fit_the_run() -> None:
         memcopy.verify_copy(src.data_ptr(), 0, 8192, 4096, array("I", [1, 2, 3, 4]), array("Q", [0, 0]), array("Q"))
     with pytest.raises(ValueError, match="bad address"):
         memcopy.verify_copy(0, 0, 8192, 4096, array("Q", digests), array("Q", [0, 0]), array("Q"))
+
+
+@pytest.mark.skipif(not memcopy.STREAM_IN, reason="the extension is not built here (or not on Linux)")
+def test_stream_in_brings_a_file_into_the_cache_and_maps_its_pages(tmp_path) -> None:
+    """What it sends is the file's bytes from ``off`` (fewer at its end); reading the mapping
+    afterwards gives the file's bytes; a bad descriptor is an OSError, bad arguments a ValueError."""
+    import mmap
+    import os
+
+    data = os.urandom(3 * (1 << 20) + 123)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    sink = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        m = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+        addr = torch.frombuffer(m, dtype=torch.uint8).data_ptr()
+        assert memcopy.stream_in(fd, sink, 0, 1 << 20, addr, 64 << 10) == 1 << 20
+        assert memcopy.stream_in(fd, sink, 1 << 20, 8 << 20, addr, 4096) == len(data) - (1 << 20)  # to the end
+        assert memcopy.stream_in(fd, sink, len(data), 1 << 20, addr, 4096) == 0
+        assert memcopy.stream_in(fd, sink, 0, 100, 0, 4096) == 100  # no mapping: only sent
+        assert bytes(m) == data
+        del addr
+        m.close()
+        with pytest.raises(OSError):
+            memcopy.stream_in(-1, sink, 0, 100, 0, 4096)
+        with pytest.raises(ValueError):
+            memcopy.stream_in(fd, sink, -1, 100, 0, 4096)
+        with pytest.raises(ValueError):
+            memcopy.stream_in(fd, sink, 0, 100, 0, 0)
+    finally:
+        os.close(sink)
+        os.close(fd)

@@ -354,14 +354,21 @@ def test_copies_added_before_or_after_their_blocks_matched_copy_only_matched_byt
     assert torch.equal(strided, src[4096 * 3 : 4096 * 3 + 12 * 1024 : 12])
 
 
-def test_a_stream_says_how_far_it_is_and_waits_past_an_offset(tmp_path):
+@pytest.mark.parametrize("one_call", [True, False])
+def test_a_stream_says_how_far_it_is_and_waits_past_an_offset(tmp_path, monkeypatch, one_call):
     """``Streamer.wait_past`` returns once the stream has passed the offset, and ``reached`` is the
-    whole file once it is through — also for a file it could not read (the reader reads it then)."""
+    whole file once it is through — also for a file it could not read (the reader reads it then).
+    Streamed by the C extension's ``stream_in`` and by ``sendfile`` from Python alike."""
     import threading
 
+    from ckptflow.trainer import memcopy, verifiedcopy
     from ckptflow.trainer.checksum import CHUNK
     from ckptflow.trainer.verifiedcopy import Streamer
 
+    if one_call and not memcopy.STREAM_IN:
+        pytest.skip("no C extension")
+    monkeypatch.setattr(memcopy, "STREAM_IN", one_call)
+    monkeypatch.setattr(verifiedcopy, "STREAM_CHUNK", CHUNK)
     data, path, mapped, _ = _file_with_blocks(tmp_path, CHUNK * 3 + 5, CHUNK)
     fd = os.open(path, os.O_RDONLY)
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)

@@ -13,14 +13,25 @@
  *
  * xxh3(addr, n): the xxh3-64 digest of n bytes (for the tests: the same function as python-xxhash's).
  *
+ * stream_in(fd, sink, off, n, addr, step) (Linux): bytes [off, off + n) of file fd into the page cache
+ * by sendfile to sink (/dev/null: nothing is copied out), then the file's mapping at addr touched one
+ * byte every step bytes over them, so its pages are mapped into the process. One call a chunk of a
+ * cold file's stream (verifiedcopy.Streamer): the streaming thread, which took the GIL back after the
+ * sendfile and again after the torch op that mapped the pages, waited up to a switch interval (5 ms)
+ * each time while the thread planning the load ran Python, and the stream ran well below the disk.
+ *
  * xxHash is vendored in _xxhash/ (BSD 2-Clause, its LICENSE beside it), with its own runtime
  * dispatch on x86-64 (AVX-512, AVX2 or SSE2, whatever the CPU has; the file is built with the
  * baseline flags). */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef __linux__
+#include <sys/sendfile.h>
+#endif
 
 #if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
 #include "_xxhash/xxh_x86dispatch.c" /* XXH3_64bits: the best of SSE2 / AVX2 / AVX-512 at run time */
@@ -185,6 +196,53 @@ static PyObject *xxh3(PyObject *self, PyObject *args)
     return PyLong_FromUnsignedLongLong(h);
 }
 
+#ifdef __linux__
+static PyObject *stream_in(PyObject *self, PyObject *args)
+{
+    int fd, sink;
+    long long off;
+    Py_ssize_t n, step;
+    unsigned long long addr;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "iiLnKn:stream_in", &fd, &sink, &off, &n, &addr, &step))
+        return NULL;
+    if (off < 0 || n < 0 || step <= 0) {
+        PyErr_SetString(PyExc_ValueError, "stream_in: bad offset, length or step");
+        return NULL;
+    }
+    Py_ssize_t got = 0;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    off_t pos = (off_t)off;
+    while (got < n) {
+        ssize_t r = sendfile(sink, fd, &pos, (size_t)(n - got));
+        if (r < 0) {
+            if (errno == EINTR)
+                continue;
+            err = errno;
+            break;
+        }
+        if (r == 0)
+            break; /* the end of the file */
+        got += r;
+    }
+    if (addr) {
+        /* a read every step bytes: each page fault maps that many resident pages (fault-around) */
+        const volatile unsigned char *p = (const volatile unsigned char *)(uintptr_t)addr + off;
+        unsigned char acc = 0;
+        for (Py_ssize_t i = 0; i < got; i += step)
+            acc ^= p[i];
+        (void)acc;
+    }
+    Py_END_ALLOW_THREADS
+    if (err && !got) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyLong_FromSsize_t(got);
+}
+#endif
+
 static PyMethodDef methods[] = {
     {"copy", copy, METH_VARARGS, "copy(dst, src, n): n bytes from address src to dst (not overlapping), "
                                  "with streaming stores where the CPU has them; without the GIL."},
@@ -194,6 +252,12 @@ static PyMethodDef methods[] = {
      "and compared with digests[i], then its counts[i] pieces (dst, src, n: consecutive triples in "
      "pieces) copied; stops at the first block that does not match. Buffers of uint64; no GIL."},
     {"xxh3", xxh3, METH_VARARGS, "xxh3(addr, n) -> the xxh3-64 digest of n bytes at addr (no GIL)."},
+#ifdef __linux__
+    {"stream_in", stream_in, METH_VARARGS,
+     "stream_in(fd, sink, off, n, addr, step) -> bytes streamed: bytes [off, off + n) of file fd sent "
+     "to sink (sendfile), then, if addr, the file's mapping at addr read every step bytes over them; "
+     "no GIL. OSError if nothing could be sent."},
+#endif
     {NULL, NULL, 0, NULL},
 };
 

@@ -63,3 +63,16 @@ def verify_copy(base: int, start: int, end: int, bs: int, digests: array, counts
     does not match. Returns how many blocks matched (all: ``len(digests)``). ``array('Q')`` each;
     no GIL. Only where :data:`VERIFY_COPY`."""
     return int(_memcopy.verify_copy(base, start, end, bs, digests, counts, pieces))
+
+
+STREAM_IN = bool(_memcopy is not None and hasattr(_memcopy, "stream_in"))
+"""Whether :func:`stream_in` is there (the extension is built, on Linux)."""
+
+
+def stream_in(fd: int, sink: int, off: int, n: int, addr: int, step: int) -> int:
+    """Bring bytes ``[off, off + n)`` of file ``fd`` into the page cache (``sendfile`` to ``sink``,
+    ``/dev/null``), then, if ``addr`` (the file's mapping), read one byte every ``step`` bytes of
+    them there so their pages are mapped into the process; in one call without the GIL. Returns
+    how many bytes were sent (fewer at the end of the file); OSError if none could be. Only where
+    :data:`STREAM_IN`."""
+    return int(_memcopy.stream_in(fd, sink, off, n, addr, step))
