@@ -483,7 +483,9 @@ class _Targets:
             getattr(type(planner), n) is getattr(DefaultLoadPlanner, n)
             for n in ("resolve_tensor", "lookup_tensor", "transform_tensor")
         )
-        self._state = planner.state_dict if self._direct else {}
+        self._state: Mapping[str, Any] = (
+            planner.state_dict if self._direct and isinstance(planner, DefaultLoadPlanner) else {}
+        )
 
     def prepare(self, reqs: Iterable[ReadItem]) -> None:
         """Resolve now (before the load's threads start) each tensor read in ``reqs`` that is not a
