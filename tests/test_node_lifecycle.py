@@ -262,6 +262,7 @@ def test_a_node_whose_worker_is_down_delays_only_its_part_and_reconcile_finishes
     warm, _ = _warm_cold(tmp_path, s3_endpoint, s3_bucket)
     try:
         w.start(nodes[0], cfgs[nodes[0]])
+        w.wait_polling()  # the part timeout (20 s) times the down node, not this worker's start-up
         from ckptflow.flows.lifecycle import lifecycle
 
         state = lifecycle(
