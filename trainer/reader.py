@@ -479,12 +479,14 @@ class _Targets:
     def __init__(self, planner: LoadPlanner) -> None:
         self._planner = planner
         self._early: dict[int, torch.Tensor] = {}
-        self._direct = isinstance(planner, DefaultLoadPlanner) and all(
+        direct = isinstance(planner, DefaultLoadPlanner) and all(
             getattr(type(planner), n) is getattr(DefaultLoadPlanner, n)
             for n in ("resolve_tensor", "lookup_tensor", "transform_tensor")
         )
+        # Empty unless the planner resolves as DCP's default does: every look-up then finds nothing,
+        # and each read goes through the planner's own resolve_tensor.
         self._state: Mapping[str, Any] = (
-            planner.state_dict if self._direct and isinstance(planner, DefaultLoadPlanner) else {}
+            planner.state_dict if direct and isinstance(planner, DefaultLoadPlanner) else {}
         )
 
     def prepare(self, reqs: Iterable[ReadItem]) -> None:
@@ -504,7 +506,7 @@ class _Targets:
     def _whole(self, req: ReadItem) -> torch.Tensor | None:
         """The destination if it is a whole plain tensor (or DTensor shard) and the planner DCP's
         default, by a look-up (no torch call, none that waits for the GIL); None otherwise."""
-        obj = self._local(req) if self._direct else None
+        obj = self._local(req)
         if obj is None or any(req.dest_offsets) or tuple(req.lengths) != tuple(obj.shape):
             return None
         return obj
@@ -519,7 +521,7 @@ class _Targets:
         return obj
 
     def _resolve(self, req: ReadItem) -> torch.Tensor:
-        obj = self._local(req) if self._direct else None
+        obj = self._local(req)
         if obj is None:
             return self._planner.resolve_tensor(req).detach()  # and its errors
         # DCP's narrow, of the detached tensor

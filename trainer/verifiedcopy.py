@@ -483,6 +483,7 @@ class Streamer:
             return 0  # the load reports it
         sink = _null()
         flat = torch.frombuffer(self._data, dtype=torch.uint8) if self._data is not None else None
+        addr = flat.data_ptr() if flat is not None else 0  # where stream_in maps the pages (0: it does not)
         off = 0
         try:
             buf: memoryview | None = None
@@ -492,7 +493,6 @@ class Streamer:
                 if sink is not None:
                     try:
                         if memcopy.STREAM_IN:  # sent and mapped in one call: one wait for the GIL, not two
-                            addr = flat.data_ptr() if flat is not None else 0
                             got = memcopy.stream_in(fd, sink, off, n, addr, FAULT_AROUND)
                             mapped = flat is not None
                         else:
