@@ -44,8 +44,12 @@ class Done:
     """False only from verify: the checkpoint is bad and is quarantined instead."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class Stage:
+    """One row of a stage table. Stages compare by identity: a node-local table's ``verify``
+    shares every field with :data:`VERIFY` but its action, and taking one for the other sent a
+    node-local checkpoint's verify to a hot root that never held it."""
+
     name: str
     """Imperative, as the Prefect task and the fault points are named: ``"verify"``."""
     record: str
@@ -113,7 +117,7 @@ def run_stage_forked(stage: Stage, ref: CheckpointRef) -> StageRecord | None:
     are plain functions of the reference (a node table's actions talk to Prefect)."""
     from ckptflow.tasks import forkserver
 
-    if stage in STAGES:
+    if any(stage is s for s in STAGES):
         got = forkserver.call(
             "stage", {"stage": stage.name, "ref": ref.to_wire()}, timeout_s=24 * 3600, forward_output=True
         )

@@ -43,6 +43,19 @@ def test_the_table_names_each_stage_once_in_lifecycle_order():
     assert all(s.event is None or s.event.startswith("ckptflow.checkpoint.") for s in STAGES)
 
 
+def test_a_node_table_s_stage_is_never_taken_for_the_general_one_of_the_same_name():
+    """The node-local table's verify and prune share every field with the general ones but their
+    action: equal, they were routed as the general stage (a node checkpoint verified on a hot root
+    that never held it)."""
+    from ckptflow.flows.nodes import NODE_STAGES
+
+    assert [s.name for s in NODE_STAGES] == ["promote", "verify", "archive", "prune"]
+    for node_stage in NODE_STAGES:
+        general = BY_NAME[node_stage.name]
+        assert (node_stage == general) is (node_stage.act is general.act), node_stage.name
+        assert (node_stage in STAGES) is (node_stage is general)
+
+
 def test_a_record_short_circuits_and_is_written_only_after_the_work(ref):
     first = run_stage(VERIFY, ref)
     assert first.ok and not first.skipped and first.record == "verified"
