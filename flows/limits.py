@@ -14,6 +14,10 @@ slot of the limit of the machine it runs on. Where a limit does not exist (a flo
 test, under ``ckptflow serve`` without a worker), the stage runs unlimited: the limit is a
 guard for a machine, not a condition of correctness. The lifecycle deployment's own
 ``concurrency_limit`` caps the fleet as a whole.
+
+A lifecycle killed while it holds a slot cannot give it back. The lease bounds that for a machine
+that vanished with it; on a machine that goes on, the next lifecycle that finds the limit full
+releases the slots of the machine's dead holders (:class:`_Holders`), within ``POLL_S``.
 """
 
 from __future__ import annotations
@@ -22,7 +26,11 @@ import contextlib
 import logging
 import os
 import socket
+import threading
+import time
+import uuid
 from collections.abc import Iterator
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +39,13 @@ STAGE_LIMITS = {"verify": "sanity", "archive": "upload"}
 
 SLOT_LEASE_S = 60.0
 """How long the server keeps a slot whose holder stopped renewing it (the holder renews every
-45 s). A lifecycle killed while it holds a slot (SIGKILL, OOM, a lost node) cannot release it;
-with Prefect's default lease (300 s) its machine then verified nothing for 5 minutes. 60 s is
-the shortest lease the server accepts. The price: a holder cut off from the server for over a
-minute loses its slot, and two sanity steps may overlap on that machine once — a guard for the
-machine's load, never for correctness."""
+20 s). It bounds a slot whose holder's whole machine vanished; a holder that died on a machine
+that goes on is noticed sooner (:func:`reap_dead_holders`). 60 s is the shortest lease the
+server accepts."""
+
+POLL_S = 2.0
+"""The longest wait between two tries for a full limit: each try first releases the slots of
+this machine's dead holders, so a killed lifecycle holds its machine's slot for about this long."""
 
 
 def host() -> str:
@@ -75,13 +85,146 @@ def ensure_machine_limits(sanity: int, uploads: int, machine: str | None = None)
 
 @contextlib.contextmanager
 def machine_slot(stage: str) -> Iterator[None]:
-    """A slot of this machine's limit for ``stage`` (nothing for a stage without one)."""
+    """A slot of this machine's limit for ``stage`` (nothing for a stage without one).
+
+    Taken with a lease through Prefect's client (not ``prefect.concurrency.sync.concurrency``,
+    which keeps the lease to itself): the lease id goes into this machine's holder registry
+    (:class:`_Holders`), so that when this process is killed while it holds the slot — SIGKILL,
+    the OOM killer — the next lifecycle on this machine releases the slot at its next try,
+    instead of the whole machine verifying nothing until the lease runs out."""
     kind = STAGE_LIMITS.get(stage)
     if kind is None or not os.environ.get("PREFECT_API_URL"):
         yield
         return
-    from prefect.concurrency.sync import concurrency
+    from prefect.client.orchestration import get_client
 
-    # strict=False: without the limit (no worker made it) the stage runs unlimited.
-    with concurrency(limit_name(kind), occupy=1, strict=False, lease_duration=SLOT_LEASE_S):
+    name = limit_name(kind)
+    holders = _Holders(name)
+    with get_client(sync_client=True) as c:
+        lease = _acquire(c, name, holders)
+    if lease is None:  # no such limit (no worker made it): the stage runs unlimited
         yield
+        return
+    holders.add(lease)
+    stop = threading.Event()
+    renewer = threading.Thread(target=_renew, args=(lease, stop), name=f"lease-{name}", daemon=True)
+    renewer.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        renewer.join()
+        _release(lease)
+        holders.remove(lease)
+
+
+def _acquire(client: Any, name: str, holders: _Holders) -> str | None:
+    """Wait for a slot of limit ``name``; its lease id, or None when the limit does not exist."""
+    import httpx
+
+    while True:
+        holders.reap(client)
+        try:
+            got = client.increment_concurrency_slots_with_lease(
+                names=[name], slots=1, mode="concurrency", lease_duration=SLOT_LEASE_S
+            ).json()
+        except httpx.HTTPStatusError as e:
+            if e.response.status_code != 423:  # 423 Locked: full; anything else is an error
+                raise
+            # The server's hint follows the slots' average occupancy (up to 30 s); a dead holder
+            # is found only by trying again, so never wait longer than POLL_S.
+            time.sleep(min(float(e.response.headers.get("Retry-After", POLL_S)), POLL_S))
+            continue
+        return str(got["lease_id"]) if got.get("limits") else None
+
+
+def _renew(lease: str, stop: threading.Event) -> None:
+    """Renew ``lease`` until ``stop``; a failed renewal is logged and retried (the stage goes on:
+    the limit guards the machine's load, never correctness)."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as c:
+        while not stop.wait(SLOT_LEASE_S / 3):
+            try:
+                c.renew_concurrency_lease(lease_id=uuid.UUID(lease), lease_duration=SLOT_LEASE_S)
+            except Exception as e:
+                log.warning("could not renew concurrency lease %s: %s", lease, e)
+
+
+def _release(lease: str, client: Any = None) -> None:
+    from prefect.client.orchestration import get_client
+
+    try:
+        if client is not None:
+            client.release_concurrency_slots_with_lease(lease_id=uuid.UUID(lease))
+            return
+        with get_client(sync_client=True) as c:
+            c.release_concurrency_slots_with_lease(lease_id=uuid.UUID(lease))
+    except Exception as e:  # the lease runs out by itself within SLOT_LEASE_S
+        log.warning("could not release concurrency lease %s: %s", lease, e)
+
+
+class _Holders:
+    """This machine's holders of limit ``name``: one file per lease, named by its id, holding the
+    holder's pid and that process's start time (so a reused pid is not taken for the holder).
+
+    The files live in the machine's temporary folder, per API server and limit: only processes
+    of this machine read them, and a pid means something only here."""
+
+    def __init__(self, name: str) -> None:
+        import hashlib
+        import tempfile
+
+        server = hashlib.sha1(os.environ.get("PREFECT_API_URL", "").encode()).hexdigest()[:12]
+        self.dir = os.path.join(tempfile.gettempdir(), f"ckptflow-slots-{os.getuid()}", server, name)
+
+    def add(self, lease: str) -> None:
+        os.makedirs(self.dir, exist_ok=True)
+        tmp = os.path.join(self.dir, f".{lease}.tmp")
+        with open(tmp, "w") as f:
+            f.write(f"{os.getpid()} {_started(os.getpid())}")
+        os.replace(tmp, os.path.join(self.dir, lease))
+
+    def remove(self, lease: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(self.dir, lease))
+
+    def reap(self, client: Any) -> list[str]:
+        """Release the slot of every holder here whose process is gone; the leases released."""
+        try:
+            names = [n for n in os.listdir(self.dir) if not n.startswith(".")]
+        except FileNotFoundError:
+            return []
+        reaped = []
+        for lease in names:
+            path = os.path.join(self.dir, lease)
+            try:
+                with open(path) as f:
+                    pid, started = f.read().split()
+            except (OSError, ValueError):
+                continue  # being written, or taken by another reaper
+            if _started(int(pid)) == started:
+                continue  # alive
+            claim = os.path.join(self.dir, f".{lease}.reaping-{os.getpid()}")
+            try:
+                os.rename(path, claim)  # one reaper per dead holder: the server's release is not atomic
+            except FileNotFoundError:
+                continue
+            _release(lease, client)
+            os.unlink(claim)
+            log.warning("released the %s slot of pid %s, which died holding it", os.path.basename(self.dir), pid)
+            reaped.append(lease)
+        return reaped
+
+
+def _started(pid: int) -> str:
+    """When process ``pid`` started (clock ticks since boot), or ``"gone"``."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return "gone"
+    # Fields 3 and 22 (state, start time); the command name (field 2) may hold spaces, so count
+    # from its closing paren. A zombie is dead: it holds nothing, its parent just has not reaped it.
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return "gone" if fields[0] in ("Z", "X") else fields[19]
