@@ -13,16 +13,26 @@ rank's DCP files written, others maybe not), ``after_shards`` (all files written
 before the manifest), ``after_manifest`` (manifest durable in the .tmp dir, before
 the rename), ``after_rename`` (committed dir, before ``latest``), ``after_latest``
 (before the outbox line and event). Lifecycle stages add their own phase names.
+
+With ``snapshot`` the process does not die: it copies the paths in ``CKPTFLOW_SNAPSHOT_OF``
+(separated by ``os.pathsep``) to ``CKPTFLOW_SNAPSHOT_TO/<phase>/<i>`` and goes on. What a SIGKILL
+at that phase leaves on disk is exactly what is there when the phase is reached, so one run can
+leave the state of a crash at every phase, each to be resumed from on its own. That holds while
+no other process writes under those paths meanwhile — true where every other rank waits for this
+one (a commit coordinator's phases, a rank the others' collective waits on); elsewhere, kill.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 from dataclasses import dataclass
 
 ENV = "CKPTFLOW_FAULT"
+SNAPSHOT_OF = "CKPTFLOW_SNAPSHOT_OF"
+SNAPSHOT_TO = "CKPTFLOW_SNAPSHOT_TO"
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +42,7 @@ class FaultSpec:
     rank: int | None = None
     attempt: int | None = 0  # by default only the first attempt crashes, so a restart heals
     sleep: float | None = None  # sleep instead of crashing
+    snapshot: bool = False  # copy the paths of CKPTFLOW_SNAPSHOT_OF instead of crashing
 
     def matches(self, phase: str, step: int | None, rank: int, attempt: int) -> bool:
         return (
@@ -48,7 +59,7 @@ def parse(text: str) -> list[FaultSpec]:
         head, *quals = item.split(":")
         phase, _, step = head.partition("@")
         attempt: int | None
-        rank, attempt, sleep = None, 0, None
+        rank, attempt, sleep, snapshot = None, 0, None, False
         for q in quals:
             if q.startswith("rank"):
                 rank = int(q[4:])
@@ -56,9 +67,11 @@ def parse(text: str) -> list[FaultSpec]:
                 attempt = None if q[7:] == "*" else int(q[7:])
             elif q.startswith("sleep"):
                 sleep = float(q[5:])
+            elif q == "snapshot":
+                snapshot = True
             else:
                 raise ValueError(f"{ENV}: unknown qualifier {q!r} in {item!r}")
-        specs.append(FaultSpec(phase, int(step) if step else None, rank, attempt, sleep))
+        specs.append(FaultSpec(phase, int(step) if step else None, rank, attempt, sleep, snapshot))
     return specs
 
 
@@ -82,6 +95,8 @@ def maybe_crash(phase: str, step: int | None = None) -> None:
         if spec.matches(phase, step, rank, attempt):
             if spec.sleep is not None:
                 time.sleep(spec.sleep)
+            elif spec.snapshot:
+                _snapshot(phase)
             else:
                 for pid in _ALSO_KILL:
                     try:
@@ -89,3 +104,10 @@ def maybe_crash(phase: str, step: int | None = None) -> None:
                     except ProcessLookupError:
                         pass
                 os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _snapshot(phase: str) -> None:
+    """Copy every path of ``CKPTFLOW_SNAPSHOT_OF`` to ``CKPTFLOW_SNAPSHOT_TO/<phase>/<i>``."""
+    dest = os.path.join(os.environ[SNAPSHOT_TO], phase)
+    for i, src in enumerate(p for p in os.environ[SNAPSHOT_OF].split(os.pathsep) if p):
+        shutil.copytree(src, os.path.join(dest, str(i)), symlinks=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -97,16 +98,19 @@ def run_node_demo(s: DemoSettings, nodes: int = 2, say: Callable[[str], None] = 
         )
         _config(general, hot=os.path.join(wd, "general-hot"), wd=wd, s3=s3_url)
         node_cfg = [_config(os.path.join(wd, f"node{i}.toml"), hot=r, wd=wd, s3=s3_url) for i, r in enumerate(roots)]
-        from ckptflow.flows.serve import deploy
-
-        deploy(POOL, general)
         env = dict(os.environ, OMP_NUM_THREADS="1", PREFECT_LOGGING_LEVEL="INFO", PREFECT_WORKER_QUERY_SECONDS="2")
+        # The deployments and workers exactly as the README has a user start them.
+        cli = [sys.executable, "-m", "ckptflow.cli.main"]
+        with open(os.path.join(logs, "deploy.log"), "ab") as log:
+            subprocess.run(
+                [*cli, "deploy", "--pool", POOL, "--config", general], env=env, stdout=log, stderr=log, check=True
+            )
         sup = stack.enter_context(Supervisor())
 
         def worker(cfg: str, name: str, *flags: str) -> Any:
             return sup.start(
                 name,
-                [sys.executable, "-m", "ckptflow.cli.main", "worker", "--pool", POOL, "--config", cfg, *flags],
+                [*cli, "worker", "--pool", POOL, "--config", cfg, *flags],
                 env=env,
                 log=open(os.path.join(logs, f"{name}.log"), "ab"),
             )
@@ -157,8 +161,9 @@ def run_node_demo(s: DemoSettings, nodes: int = 2, say: Callable[[str], None] = 
             out.problems.append(f"training failed on some node ({rcs}); logs in {logs}")
             return out
         resumed = [ln for i in range(nodes) for ln in agents.output(i).splitlines() if "resumed from step" in ln]
-        for ln in resumed:
-            say("  " + ln.split(": ", 1)[-1])
+        out.resumed = [ln.split(": ", 1)[-1] for ln in resumed]
+        for ln in out.resumed:
+            say("  " + ln)
         commits = _commits(roots)
         steps = sorted({c["step"] for c in commits})
         say(f"waiting for the lifecycle of {len(steps)} checkpoints {steps} (each node's part on its own worker) ...")
@@ -187,6 +192,7 @@ def run_node_demo(s: DemoSettings, nodes: int = 2, say: Callable[[str], None] = 
                 "problems": out.problems,
                 "checkpoints": out.checkpoints,
                 "nodes": ids,
+                "resumed": out.resumed,
                 "lifecycle_states": out.lifecycle_states,
                 "drill": out.drill,
                 "seconds": out.seconds,

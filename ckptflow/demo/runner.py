@@ -53,6 +53,8 @@ class DemoOutcome:
     lifecycle_states: dict[str, str] = field(default_factory=dict)
     drill: dict | None = None
     replay_identical: tuple[int, int] = (0, 0)
+    resumed: list[str] = field(default_factory=list)
+    """The node demo: how each node resumed (from which step, what it fetched from which peer)."""
     seconds: float = 0.0
     ok: bool = False
     problems: list[str] = field(default_factory=list)
