@@ -1,5 +1,5 @@
 # The README's commands: `make demo` and `make test` (both set up .venv first).
-# For the edit-test loop: `make test-fast` (no torchrun jobs or servers) and `make lint`.
+# For the edit-test loop: `make test-fast` (tests/unit: no process, no server) and `make lint`.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -19,17 +19,19 @@ setup: $(BIN)/ckptflow
 demo: setup
 	$(BIN)/ckptflow demo
 
-# Most tests wait on child processes and servers more than they compute: two workers (one test
-# file each at a time, so a module's fixtures start once) take the suite from ~31 to ~19 min on
-# 2 cores. The few that assert timings run alone afterwards (marker `serial`).
-TEST_WORKERS ?= 2
+# tests/unit, tests/integration (one real part: torchrun jobs, a Prefect server, S3 over HTTP) and
+# tests/e2e (the README's paths, started as a user starts them). Most tests wait on child
+# processes and servers more than they compute: on 2 cores four workers (one test file each at a
+# time, so a module's fixtures start once) keep both cores busy where two left a third idle.
+# The few that assert timings run alone afterwards (marker `serial`).
+TEST_WORKERS ?= 4
 
 test: setup
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" --durations=30
 	$(BIN)/python -m pytest -q -m serial --durations=5
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q tests/unit
 
 lint: setup
 	$(BIN)/ruff check .

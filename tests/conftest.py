@@ -6,17 +6,24 @@
   session; it takes 20-30 s to start, so never per test.
 * ``torchrun``: launches real ``torchrun`` jobs (gloo, CPU) and returns the result.
 * ``tiny_run``: a committed run of the tiny reference model (read-only).
+* ``golden``: the loss and LR of every step of an uninterrupted 2-rank run of the tiny model,
+  which every resume at 2 ranks must reproduce bit for bit (a save's cadence does not change
+  them, so one run serves every test's interval).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 import pytest
+from filelock import FileLock
 
 from ckptflow.harness import MotoServer
-from tests.helpers import make_run, run_torchrun
+from tests.helpers import last_per_step, make_run, metrics, run_torchrun
 
 
 @pytest.fixture(scope="session")
@@ -63,13 +70,45 @@ def torchrun():
     return run_torchrun
 
 
+def once(tmp_path_factory, name: str, make: Callable[[str], Any]) -> Any:
+    """``make(folder)``'s result, made once per test session, however many xdist workers ask: the
+    first to come makes it under the session's shared base folder, the others wait on the lock and
+    read its JSON. For read-only data (a training run, a curve)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    folder, done = shared / f"once-{name}", shared / f"once-{name}.json"
+    with FileLock(str(shared / f"once-{name}.lock")):
+        if not done.exists():
+            folder.mkdir(exist_ok=True)
+            done.write_text(json.dumps(make(str(folder))))
+        return json.loads(done.read_text())
+
+
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory):
     """A read-only committed run (steps 2, 4, 6) of the tiny model. Copy it before changing it."""
-    return make_run(tmp_path_factory.mktemp("tiny_run"), "tiny", max_steps=6, save_every=2)
+    return once(tmp_path_factory, "tiny_run", lambda d: make_run(d, "tiny", max_steps=6, save_every=2))
 
 
 @pytest.fixture
 def wide_tables(monkeypatch):
     """CLI tables on one line each, whatever the terminal."""
     monkeypatch.setenv("COLUMNS", "250")
+
+
+GOLDEN_STEPS = 12
+
+
+def _golden_curve(root: str) -> list:
+    r = run_torchrun(
+        ["--ckpt-root", root, "--run-id", "g", "--model", "tiny", "--max-steps", str(GOLDEN_STEPS)]
+        + ["--save-every", "4"]
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return [[s, x["loss"], x["lr"]] for s, x in sorted(last_per_step(metrics(os.path.join(root, "g"))).items())]
+
+
+@pytest.fixture(scope="session")
+def golden(tmp_path_factory) -> dict[int, tuple[float, float]]:
+    """step -> (loss, lr) of the tiny model on 2 ranks (FSDP2, dropout on), steps 1-12."""
+    return {int(s): (loss, lr) for s, loss, lr in once(tmp_path_factory, "golden", _golden_curve)}

@@ -17,7 +17,7 @@ from ckptflow.trainer import fastwrite, zipfmt
 from ckptflow.trainer.checksum import digest_file, hash_bytes, hash_file
 from ckptflow.trainer.dcpmeta import read_dcp_metadata
 from tests.helpers import run_script, script_result
-from tests.test_directio import directio_works
+from tests.unit.test_directio import directio_works
 
 TENSORS = {
     "float": torch.randn(1000),

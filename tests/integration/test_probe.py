@@ -19,8 +19,6 @@ import pytest
 from ckptflow.trainer import layout
 from tests.helpers import PY, REPO, torchrun_env
 
-pytestmark = pytest.mark.slow
-
 SCRIPT = textwrap.dedent("""
     import json, os, sys
     import torch

@@ -9,7 +9,7 @@ import pytest
 from ckptflow.tasks.config import CkptflowConfig, RetentionConfig, TierConfig, default_config, load_config
 from ckptflow.trainer.errors import ConfigError
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(REPO, "deployments", "ckptflow.example.toml")
 
 

@@ -15,8 +15,6 @@ import pytest
 from ckptflow.harness import stop_group
 from tests.helpers import PY, REPO, alive, write_config
 
-pytestmark = pytest.mark.slow
-
 
 def _cmdline(pid: int) -> str:
     try:

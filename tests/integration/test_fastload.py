@@ -258,7 +258,6 @@ def test_plain_items_read_without_torch_and_nothing_else_is_built(tmp_path):
     assert plain_item(pickle.dumps(1.0)) is NOT_PLAIN  # not a torch.save zip at all
 
 
-@pytest.mark.slow
 def test_ranks_agree_to_fall_back_when_only_one_rank_read_a_bad_file(tmp_path):
     """At the saving world size rank 1 alone reads ``__1_0.distcp``: with a flipped byte there
     rank 1's load fails while rank 0's succeeds, and both must move to the older checkpoint

@@ -29,7 +29,6 @@ from ckptflow.trainer.errors import CheckpointNotFoundError, CkptflowError, Inte
 from ckptflow.trainer.manifest import KEY_BLOCK_ENV, KEY_ENV
 from tests.helpers import PY, REPO, free_port, make_run, step_dir, torchrun_env
 
-pytestmark = pytest.mark.slow
 KEY = "ckptflow-test-signing-key-0123456789"
 
 

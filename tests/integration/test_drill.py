@@ -16,8 +16,6 @@ import pytest
 from ckptflow.trainer import events, layout
 from tests.helpers import PY, REPO, write_config
 
-pytestmark = pytest.mark.slow
-
 
 class Receiver:
     """A webhook endpoint that records every POST body."""

@@ -28,8 +28,6 @@ from tests.helpers import (
     write_config,
 )
 
-pytestmark = pytest.mark.slow
-
 
 def committed(path) -> set[int]:
     return {s for n in os.listdir(path) if (s := layout.parse_step(n)) is not None} if os.path.isdir(path) else set()

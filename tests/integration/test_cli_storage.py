@@ -16,7 +16,7 @@ import pytest
 from ckptflow.trainer import layout
 from tests.helpers import PY, REPO, fake_run, flip_byte, invoke
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("wide_tables")]
+pytestmark = pytest.mark.usefixtures("wide_tables")
 
 
 def write_cfg(

@@ -17,8 +17,6 @@ from ckptflow.tasks.verify import run_sanity, validate_expectations
 from ckptflow.trainer import layout
 from tests.helpers import PY, REPO, alive, cold_objects, cold_steps, step_dir, torchrun_env, write_config
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture(scope="module")
 def server_proc():

@@ -1,4 +1,5 @@
-"""`ckptflow demo` end to end in a shorter setting: checks what it did, not just its exit code."""
+"""`ckptflow demo` end to end in a shorter setting, as a user starts it: checks what it did, not
+just its exit code."""
 
 from __future__ import annotations
 
@@ -6,11 +7,7 @@ import json
 import os
 import subprocess
 
-import pytest
-
 from tests.helpers import PY, REPO
-
-pytestmark = pytest.mark.slow
 
 
 def _procs_with_env(needle: str) -> list[int]:
@@ -26,32 +23,22 @@ def _procs_with_env(needle: str) -> list[int]:
     return out
 
 
-def test_demo_end_to_end(tmp_path):
-    wd = tmp_path / "demo"
+def _demo(wd, *args: str) -> subprocess.CompletedProcess:
+    """``ckptflow demo`` in a shell with nothing of ours or Prefect's set."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "AWS_", "CKPTFLOW_"))}
-    r = subprocess.run(
-        [
-            PY,
-            "-m",
-            "ckptflow.cli.main",
-            "demo",
-            "--workdir",
-            str(wd),
-            "--steps",
-            "40",
-            "--save-every",
-            "10",
-            "--kill-at",
-            "15",
-            "--model",
-            "tiny",
-        ],
+    return subprocess.run(
+        [PY, "-m", "ckptflow.cli.main", "demo", "--workdir", str(wd), "--model", "tiny", *args],
         cwd=REPO,
         env=env,
         capture_output=True,
         text=True,
         timeout=900,
     )
+
+
+def test_demo_end_to_end(tmp_path):
+    wd = tmp_path / "demo"
+    r = _demo(wd, "--steps", "40", "--save-every", "10", "--kill-at", "15")
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     s = json.loads((wd / "summary.json").read_text())
     assert s["ok"] and s["problems"] == []

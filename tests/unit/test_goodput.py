@@ -106,7 +106,7 @@ def test_the_replay_agrees_with_dalys_exact_model():
 
 
 def test_seeded_replays_are_reproducible_and_trials_give_an_interval():
-    c = gp.Costs(step_s=0.1, save_s=0.01, restore_s=30.0)
+    c = gp.Costs(step_s=1.0, save_s=0.1, restore_s=30.0)  # 10x fewer steps to replay than 0.1 s steps
     a = gp.goodput(c, mtbf_s=3600.0, trials=4, seed=3, sweep_points=5)
     b = gp.goodput(c, mtbf_s=3600.0, trials=4, seed=3, sweep_points=5)
     assert a.to_json() == b.to_json()
@@ -262,69 +262,3 @@ def test_auto_config_is_checked():
 
 
 # ---- real runs (slow) ---------------------------------------------------------------------------
-
-
-@pytest.mark.slow
-def test_auto_interval_in_a_real_two_rank_run_changes_together_on_every_rank(tmp_path):
-    from ckptflow.trainer.events import read_outbox
-    from tests.helpers import run_torchrun
-
-    root = tmp_path / "hot"
-    r = run_torchrun(
-        [
-            "--ckpt-root",
-            str(root),
-            "--run-id",
-            "auto",
-            "--model",
-            "tiny",
-            "--max-steps",
-            "240",
-            "--save-every",
-            "auto",
-            "--mtbf-hours",
-            "0.02",
-            "--step-sleep",
-            "0.01",
-        ],
-        nproc=2,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    run = root / "auto"
-    decisions = [json.loads(x) for x in (run / "interval.jsonl").read_text().splitlines()]
-    assert decisions and decisions[0]["old"] == 10 and decisions[0]["step"] == 20
-    saved = sorted({int(o["step"]) for o in read_outbox(str(run))})
-    assert saved[:2] == [10, 20]
-    # each gap is the interval in force after the save that opened it (the last save is forced)
-    interval, changes = 10, {d["step"]: d["new"] for d in decisions}
-    for a, b in zip(saved, saved[1:-1], strict=False):
-        interval = changes.get(a, interval)
-        assert b - a == interval, (saved, decisions)
-    out = r.stdout + r.stderr  # torchrun may forward a worker's stdout to either
-    summary = json.loads(out.split("ckptflow-summary ", 1)[1].splitlines()[0])
-    assert summary["interval"] == decisions[-1]["new"] and summary["interval_changes"] == len(decisions)
-    # the CPU figures the end-to-end benchmark subtracts (saves run off the training thread)
-    assert 0 < summary["cpu_off_main_thread_s"] < summary["cpu_s"], summary
-    assert 0 < summary["cpu_new_threads_s"] <= summary["cpu_off_main_thread_s"] + 0.05, summary
-
-
-@pytest.mark.slow
-@pytest.mark.serial  # restart times feed the replay: a neighbour's CPU would stretch them
-def test_the_replay_matches_a_real_run_with_failures(tmp_path):
-    """A real torchrun job, SIGKILLed at exponential times, against ``ckptflow goodput``'s replay of
-    the same kill times for the run's own measured costs.
-
-    The benchmark (docs/benchmarks.md, "Goodput") meets the 2-point target in six runs; here 3
-    points, because one CI run on a loaded machine shows how the model strains when failures
-    come faster than restarts finish: at MTBF 20 s, 6 of 14 kills hit a restart, restarts
-    varied 4-14 s, and the run's median gap between attempts (the replay's one restart cost)
-    came out 9.9 s — the replay was 5 points pessimistic. So the MTBF here is well above the
-    restart time, as it is on a real cluster (hours against minutes)."""
-    from ckptflow.realrun import check, run_with_failures
-
-    run = run_with_failures(str(tmp_path), mtbf_s=45.0, max_steps=1200, interval=25, seed=4)
-    c = check(run, str(tmp_path))
-    assert c.kills >= 1, c.to_json()
-    assert 0.3 < c.real < 0.99
-    assert abs(c.diff_points) <= 3.0, c.to_json()

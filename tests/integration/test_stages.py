@@ -13,7 +13,7 @@ from ckptflow.flows.reconcile import Action, FlowRun, decide
 from ckptflow.tasks import records
 from ckptflow.tasks.checkpoint import CheckpointRef, hot_root_for
 from ckptflow.tasks.config import load_config
-from ckptflow.tasks.stages import ARCHIVE, BY_NAME, PROMOTE, RECORDS, STAGES, VERIFY, finished, run_stage
+from ckptflow.tasks.stages import ARCHIVE, PROMOTE, VERIFY, finished, run_stage
 from ckptflow.tasks.storage import Tier
 from tests.helpers import flip_byte, step_dir
 
@@ -34,26 +34,6 @@ def ref(tiny_run, tmp_path):
     hot = tmp_path / "hot"
     shutil.copytree(tiny_run, hot / "tiny")
     return CheckpointRef(load_config(_config(tmp_path, str(hot))), "tiny", 6)
-
-
-def test_the_table_names_each_stage_once_in_lifecycle_order():
-    assert [s.name for s in STAGES] == ["verify", "compress", "promote", "archive", "prune"]
-    assert RECORDS == ("verified", "compressed", "promoted", "archived", "pruned")
-    assert len({s.letter for s in STAGES}) == len(STAGES) and BY_NAME["archive"] is ARCHIVE
-    assert all(s.event is None or s.event.startswith("ckptflow.checkpoint.") for s in STAGES)
-
-
-def test_a_node_table_s_stage_is_never_taken_for_the_general_one_of_the_same_name():
-    """The node-local table's verify and prune share every field with the general ones but their
-    action: equal, they were routed as the general stage (a node checkpoint verified on a hot root
-    that never held it)."""
-    from ckptflow.flows.nodes import NODE_STAGES
-
-    assert [s.name for s in NODE_STAGES] == ["promote", "verify", "archive", "prune"]
-    for node_stage in NODE_STAGES:
-        general = BY_NAME[node_stage.name]
-        assert (node_stage == general) is (node_stage.act is general.act), node_stage.name
-        assert (node_stage in STAGES) is (node_stage is general)
 
 
 def test_a_record_short_circuits_and_is_written_only_after_the_work(ref):
@@ -134,7 +114,6 @@ def test_of_two_lifecycles_of_one_checkpoint_only_one_holds_it(tmp_path):
             assert json.load(f)["flow_run_id"] == "c"
 
 
-@pytest.mark.slow
 def test_age_moves_take_the_stage_path_lease_and_record(prefect_api, tiny_run, tmp_path):
     """An aged checkpoint the lifecycle never promoted is promoted by reconcile once — with the
     record (so it is never moved twice) and the lease the lifecycle's promote takes."""

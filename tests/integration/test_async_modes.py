@@ -14,8 +14,6 @@ from ckptflow.trainer.manifest import read_manifest
 from ckptflow.trainer.verify import verify_checkpoint
 from tests.helpers import flip_byte, run_torchrun, step_dir
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.mark.parametrize("mode", ["process", "thread", "sync"])
 def test_manifest_covers_every_shard(tmp_path, mode):

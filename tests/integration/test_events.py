@@ -105,7 +105,6 @@ def test_event_ids_are_deterministic():
     assert a["resource"]["prefect.resource.id"] == "ckptflow.checkpoint.run.5"
 
 
-@pytest.mark.slow
 def test_event_reaches_a_real_prefect_server_once(prefect_api, tmp_path):
     """Sent twice with the same id, the server stores it once."""
     import asyncio

@@ -148,7 +148,6 @@ def test_no_valid_checkpoint_is_a_clear_error(run):
     assert "ckptflow restore" in r.stderr  # says what to do
 
 
-@pytest.mark.slow
 def test_two_rank_resume_falls_back_and_says_so(tmp_path):
     root = str(tmp_path)
     args = ["--ckpt-root", root, "--run-id", "r", "--model", "tiny", "--save-every", "2"]

@@ -23,7 +23,6 @@ from ckptflow.trainer import layout
 from ckptflow.trainer.events import read_outbox
 from tests.helpers import PY, REPO
 
-pytestmark = pytest.mark.slow
 RUN = "nl"
 POOL = "ckptflow-pool"
 

@@ -15,7 +15,7 @@ import tomllib
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PY = sys.executable
 LAYERS = {"ckptflow": "ckptflow", "ckptflow.trainer": "trainer", "ckptflow.tasks": "tasks", "ckptflow.flows": "flows"}
 
@@ -107,7 +107,6 @@ def test_every_package_folder_is_listed_in_pyproject():
     assert set(st["packages"]) == found
 
 
-@pytest.mark.slow
 def test_pip_installs_only_the_ckptflow_namespace(tmp_path):
     target = tmp_path / "site"
     r = subprocess.run(

@@ -20,7 +20,6 @@ import pytest
 from ckptflow.trainer import layout
 from tests.helpers import PY, REPO, metrics, run_torchrun, step_dir, torchrun_env
 
-pytestmark = pytest.mark.slow
 ARGS = ["--model", "tiny", "--max-steps", "6", "--save-every", "2"]
 
 

@@ -13,7 +13,7 @@ import pytest
 from ckptflow.trainer import layout
 from tests.helpers import flip_byte, invoke, step_dir, write_config
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("wide_tables")]
+pytestmark = pytest.mark.usefixtures("wide_tables")
 
 
 @pytest.fixture(autouse=True)
