@@ -3,7 +3,7 @@
     python -m benchmarks.bench_nodes [--model mini] [--steps 60] [--every 10] [--repeats 2]
 
 Two torchrun agents on this machine (c10d rendezvous, one rank each), each with its own
-hot folder as its local disk — the set-up of ``tests/test_nodes.py``. Measured in one run,
+hot folder as its local disk — the set-up of ``tests/integration/test_nodes.py``. Measured in one run,
 alternating so both see the same machine state:
 
 * **save stall** with ``--replicas 2`` vs ``--replicas 1`` (the training thread's blocked time

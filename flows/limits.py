@@ -77,7 +77,7 @@ def ensure_machine_limits(sanity: int, uploads: int, machine: str | None = None)
                     c.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=n, active=True))
                 except ObjectAlreadyExists:
                     # Another worker of this machine created it between our read and create (two
-                    # workers started at once: seen in tests/test_node_lifecycle.py, where the
+                    # workers started at once: seen in tests/integration/test_node_lifecycle.py, where the
                     # losing worker exited). Same machine, same limits: set ours on theirs.
                     c.update_global_concurrency_limit(name, update)
     return want

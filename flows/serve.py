@@ -4,7 +4,7 @@
 
 :data:`DEPLOYMENTS` is the one declaration: ``serve()`` builds from it, and
 ``deployments/prefect.yaml`` (the same deployments for a work pool) is checked against it
-by ``tests/test_serve.py``. ``serve()`` runs unboundedly many flow runs at once unless
+by ``tests/unit/test_serve.py``. ``serve()`` runs unboundedly many flow runs at once unless
 given ``limit``; it is bounded by ``prefect.flow_concurrency`` so a burst of commits cannot
 start a burst of sanity steps on the training machine. The runner polls every 2 s
 (default 10 s) so a commit starts its lifecycle within a few seconds.

@@ -109,7 +109,7 @@ _NAMES_LOCK = threading.Lock()
 def _plain_names(model: torch.nn.Module) -> Iterator[None]:
     """Within, DCP's ``_get_fqns(model, name)`` returns ``{name}`` at once where ``model``'s tree has
     nothing that renames (:func:`_module_names`) and ``name``'s module is one of its modules: what
-    DCP's walk returns for it then (``tests/test_fastload.py`` compares the two). Other models,
+    DCP's walk returns for it then (``tests/integration/test_fastload.py`` compares the two). Other models,
     other names and other arguments go to DCP's own function."""
     names = _module_names(model)
     if names is None:

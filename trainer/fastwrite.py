@@ -20,7 +20,7 @@ where it is missing) and patched in. The
 result is ``torch.save``'s own container, a valid zip (every CRC right), read by vanilla
 ``torch.load``, ``dcp.load`` and ``dcp_to_torch_save``; byte for byte it differs from what
 ``torch.save`` would write only in the serialization id, which is that of the layout's first
-save (tests/test_fastwrite.py checks both).
+save (tests/integration/test_fastwrite.py checks both).
 
 Each file's xxh3 is computed from the same buffers as they are written, so the commit thread
 takes the digest from here instead of reading the file back (``AsyncSaver._gather_entries``;

@@ -91,7 +91,7 @@ def files_read(step_dir: str, target: dict[str, Any], metadata: Any = None) -> s
     from ckptflow.trainer.reader import SafeLoadPlanner
 
     md = metadata if metadata is not None else read_dcp_metadata(step_dir)
-    planner = SafeLoadPlanner()  # DCP's plan, item for item (tests/test_fastload.py), built faster
+    planner = SafeLoadPlanner()  # DCP's plan, item for item (tests/integration/test_fastload.py), built faster
     planner.set_up_planner(target, md, is_coordinator=False)
     plan = planner.create_local_plan()
     return {md.storage_data[item.storage_index].relative_path for item in plan.items} | {layout.DCP_METADATA}

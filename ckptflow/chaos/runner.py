@@ -7,7 +7,7 @@ A trial whose own harness fails is recorded as an error and the campaign goes on
 
 After every trial its logs and result are searched for the campaign's secrets (the
 throwaway S3 secret key and manifest signing key): finding one there is a violation —
-the same promise ``tests/test_security.py`` checks with canaries.
+the same promise ``tests/integration/test_security.py`` checks with canaries.
 """
 
 from __future__ import annotations
