@@ -133,17 +133,63 @@ def child_env(extra: Mapping[str, str] | None = None, *, keep: tuple[str, ...] =
 
 
 def stop_group(proc: subprocess.Popen | None, timeout: float = 10.0) -> None:
-    """SIGTERM the child's whole session (its own children too), SIGKILL after ``timeout``."""
-    if proc is None or proc.poll() is not None:
+    """SIGTERM the child's whole session and every process below it, and wait until all of them
+    are gone; SIGKILL what is left after ``timeout``.
+
+    Not only the leader is waited for: a worker's fork server (same session) or a flow run Prefect
+    started in a session of its own (not reached by the group's signal) still ran after the worker
+    exited, so "every process it started is stopped" held only a moment later."""
+    if proc is None:
         return
+    below = descendants(proc.pid) if proc.poll() is None else []
     try:
         os.killpg(proc.pid, signal.SIGTERM)
     except ProcessLookupError:
-        return
+        pass
+    for pid in below:  # those in sessions of their own
+        _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
     try:
         proc.wait(timeout)
     except subprocess.TimeoutExpired:
+        pass
+    while time.monotonic() < deadline and (_group_alive(proc.pid) or any(_alive(p) for p in below)):
+        time.sleep(0.05)
+    for pid in below:
+        if _alive(pid):
+            _signal(pid, signal.SIGKILL)
+    if proc.poll() is None or _group_alive(proc.pid):
         kill_group(proc)
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _alive(pid: int) -> bool:
+    """``pid`` runs (a zombie does not: it only waits for its parent to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def _group_alive(pgid: int) -> bool:
+    """Some process of group ``pgid`` runs (zombies aside)."""
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+                return True
+    return False
 
 
 def kill_group(proc: subprocess.Popen) -> None:
@@ -152,7 +198,10 @@ def kill_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    proc.wait(30)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:  # not reaped yet: the kernel has it; nothing more to do here
+        pass
 
 
 def descendants(pid: int) -> list[int]:

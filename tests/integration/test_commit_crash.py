@@ -3,7 +3,10 @@ checkpoint, and the next start resumes and finishes bitwise (real torchrun, 2 ra
 
 One real SIGKILL (rank 1, its shard written, the other rank's maybe not), and every phase from
 one run that copies the run as it is on disk when each phase is reached (``faults``'
-``snapshot``): what a SIGKILL there would have left, each resumed from by a job of its own.
+``snapshot``): what a SIGKILL there would have left. For each, in this process, what a start-up
+does with it (``latest`` verifies, the stale ``.tmp`` goes, the resume point is the newest
+commit); a real job resumes from one phase that rolls back and one that rolls forward, bit for
+bit (the start-up code path is the same for the phases of each kind).
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ import shutil
 
 import pytest
 
-from ckptflow.trainer import faults, layout
+from ckptflow.trainer import commit, faults, layout
+from ckptflow.trainer.resume import find_resume_point
 from ckptflow.trainer.verify import verify_checkpoint
 from tests.helpers import metrics, read_latest, run_torchrun, step_dir, tmp_dirs
 
@@ -54,8 +58,8 @@ def _resumes_and_finishes(root, run: str, resumed_from: int, golden) -> None:
 
 
 @pytest.mark.parametrize("phase,rank,committed", PHASES, ids=[p[0] for p in PHASES])
-def test_a_crash_at_each_commit_phase_leaves_latest_whole_and_resumes(
-    crashes, golden, tmp_path, phase, rank, committed
+def test_a_crash_at_each_commit_phase_leaves_latest_whole_and_a_start_up_cleans_it(
+    crashes, tmp_path, phase, rank, committed
 ):
     run = os.path.join(tmp_path, "r")
     shutil.copytree(crashes / phase / "0", run, symlinks=True)
@@ -65,7 +69,19 @@ def test_a_crash_at_each_commit_phase_leaves_latest_whole_and_resumes(
     assert os.path.isdir(step_dir(run, 4)) == committed
     if committed:
         assert verify_checkpoint(step_dir(run, 4)).ok
-    _resumes_and_finishes(tmp_path, run, 4 if committed else 2, golden)
+    # What every start-up does first (the manager, rank 0): a crashed save's .tmp goes, and the
+    # resume point is the newest commit, checked byte for byte.
+    assert bool(commit.clean_stale_tmp(run)) == (phase != "after_latest" and phase != "after_rename")
+    assert tmp_dirs(run) == []
+    chosen = find_resume_point(run, deep=True).chosen
+    assert chosen is not None and chosen.step == (4 if committed else 2)
+
+
+@pytest.mark.parametrize("phase", ["after_manifest", "after_rename"])
+def test_a_start_after_a_crash_resumes_and_trains_on_bitwise(crashes, golden, tmp_path, phase):
+    run = os.path.join(tmp_path, "r")
+    shutil.copytree(crashes / phase / "0", run, symlinks=True)
+    _resumes_and_finishes(tmp_path, run, 4 if phase == "after_rename" else 2, golden)
 
 
 def test_a_real_sigkill_of_a_rank_mid_commit_leaves_latest_whole_and_resumes(tmp_path, golden):
