@@ -52,7 +52,7 @@ from ckptflow.trainer.reference.model import ModelConfig, lm_loss
 from ckptflow.trainer.state import build_save_state, rank_state, reseed_rng, shared_state
 from ckptflow.trainer.verify import share_of_files, verify_checkpoint
 
-MODES_ORDER = ("async_staging", "thread", "process", "sync")
+MODES_ORDER = ("async_staging", "sync")
 READ_CHUNK = 8 << 20
 
 
@@ -191,8 +191,7 @@ def make_manager(
         scheduler=b.scheduler,
         sampler=runner.sampler,
         provenance=Provenance(config=tcfg.to_dict(), data_fingerprint=tcfg.data().fingerprint(), code_version="bench"),
-        # As in trainer.train: the manager runs the probe forward pass at every save (the default;
-        # SanitySpec.background=True moves it off the training thread, measured end to end).
+        # As in trainer.train: the manager runs the probe forward pass at every save (the default).
         sanity=SanitySpec(builder=BUILDER, config=tcfg.to_dict(), probe_tokens=b.probe.tolist(), probe_fn=b.probe_loss),
         env=env,
     )

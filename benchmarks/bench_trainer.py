@@ -38,7 +38,7 @@ from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NPROC = 2
-MODES = ("async_staging", "thread", "process", "sync")
+MODES = ("async_staging", "sync")
 TARGETS = {"stall_x_memcpy": 1.0, "persist_x_dd": 0.8, "load_x_raw": 0.8, "e2e_overhead": 0.005}
 COMPARABLE = 0.03
 """Largest relative difference of the two runs' median step for a cross-run verdict."""
@@ -76,15 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--e2e-only", action="store_true", help="only the end-to-end jobs (no worker measurements)")
     p.add_argument(
         "--e2e-probes",
-        default="live,background,next-step",
-        help="sanity references of the saving end-to-end jobs besides the default live probe: a comma list of "
-        "background, next-step (each one more job)",
-    )
-    p.add_argument(
-        "--e2e-priorities",
-        default="",
-        help="background priorities (trainer/priority.py) to run the next-step job with besides the default: "
-        "a comma list of normal, low, idle (each one more job)",
+        default="live,next-step",
+        help="sanity references of the saving end-to-end jobs besides the default live probe: next-step (one more job)",
     )
     return p.parse_args(argv)
 
@@ -172,25 +165,10 @@ def run_e2e(a: argparse.Namespace, workdir: str) -> dict[str, Any]:
         ("no_save", ["--run-id", "nosave", "--no-save"]),
         ("save", ["--run-id", "save", "--save-every", str(every)]),
     ]
-    if "background" in probes:
-        # The same saves with the probe computed in the background from the staged copy
-        # (SanitySpec.background=True): what moving it off the training thread buys here.
-        jobs.append(
-            ("save_background_probe", ["--run-id", "savebg", "--save-every", str(every), "--probe", "background"])
-        )
     if "next-step" in probes:
         # The same saves with the loss of the step after each save as the sanity reference
         # (SanitySpec.reference="next_step"): no probe forward pass at all.
         jobs.append(("save_next_step", ["--run-id", "savens", "--save-every", str(every), "--probe", "next-step"]))
-    for prio in filter(None, a.e2e_priorities.split(",")):
-        # The next-step job again, its persist and commit threads at another CPU priority.
-        jobs.append(
-            (
-                f"save_next_step_{prio}",
-                ["--run-id", f"savens{prio}", "--save-every", str(every), "--probe", "next-step"]
-                + ["--background-priority", prio],
-            )
-        )
     for name, extra in jobs:
         load_before = os.getloadavg()[0]
         wall = torchrun(
@@ -417,8 +395,7 @@ def summarize_e2e(e: dict[str, Any]) -> dict[str, Any]:
         return [sum(d[j] - base for j in range(s + 1, s + 1 + AFTER_SAVE_STEPS)) for s in save_steps]
 
     ex, ctrl = excess("save"), excess("no_save")
-    others = [("save_background_probe", "background_probe"), ("save_next_step", "next_step")]
-    others += [(run, run[len("save_") :]) for run in durs if run.startswith("save_next_step_")]
+    others = [("save_next_step", "next_step")]
     for run, key in others:
         if run in durs:
             other = excess(run)
@@ -610,14 +587,7 @@ def print_e2e(e: dict[str, Any]) -> None:
         f"excess per save {', '.join(fmt_s(x) for x in e['excess_per_save_s'])}"
     )
     p(f"  noise control:            {e['overhead_control'] * 100:+6.2f} %  (same steps of the no-save run)")
-    for key, what in [
-        ("background_probe", "probe in the background"),
-        ("next_step", "next-step loss as reference"),
-    ] + [
-        (k[len("overhead_within_run_") :], "next-step, background priority " + k.rsplit("_", 1)[1])
-        for k in e
-        if k.startswith("overhead_within_run_next_step_")
-    ]:
+    for key, what in [("next_step", "next-step loss as reference")]:
         if f"overhead_within_run_{key}" in e:
             p(
                 f"  {what} instead: {e[f'overhead_within_run_{key}'] * 100:+6.2f} % within the run; excess "

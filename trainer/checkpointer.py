@@ -34,8 +34,7 @@ from ckptflow.trainer.interval import AutoInterval
 from ckptflow.trainer.loader import Reshard, files_read, load_target, load_verified
 from ckptflow.trainer.manifest import FileEntry, Manifest
 from ckptflow.trainer.nodes import not_recoverable_error, recover, resume_point
-from ckptflow.trainer.priority import PRIORITIES
-from ckptflow.trainer.probe import NextStepLoss, ProbeMismatch, fixed_batch_record, next_step_record, none_recorded
+from ckptflow.trainer.probe import NextStepLoss, fixed_batch_record, next_step_record, none_recorded
 from ckptflow.trainer.resume import check_provenance, find_resume_point, no_checkpoint_error
 from ckptflow.trainer.saver import ASYNC_MODES, AsyncSaver, SaveRequest
 from ckptflow.trainer.state import LAYOUT, build_save_state, rank_state, shared_state
@@ -67,7 +66,10 @@ class CheckpointConfig:
     auto_max_interval: int = 1_000_000
     """``interval="auto"``: bounds on the interval it picks, in steps."""
     async_mode: str = "async_staging"
-    """``async_staging`` (default, measured best), ``thread``, ``process`` or ``sync``."""
+    """``async_staging`` (default): the state is copied to CPU buffers in the background and
+    written from there, training blocked only while the copy starts. ``sync``: ``dcp.save`` on the
+    training thread, which blocks for the whole write (14-22x the copy) but holds no CPU copy of
+    the state — for a host without the memory for one."""
     enabled: bool = True
     """False turns every call into a no-op (load returns 0)."""
     resume: str = "auto"
@@ -78,23 +80,13 @@ class CheckpointConfig:
     """``raise``: a failed save stops training; ``continue``: log it and train on."""
     writer_threads: int = 1
     """DCP writer threads per rank."""
-    zip_crc32: bool = True
-    """Each tensor in the data files is ``torch.save``'s zip container; True writes its CRC-32, as
-    ``torch.save`` does by default. False writes 0 there (``torch.serialization.set_crc32_options``):
-    ~40 % less writer CPU on the small reference model (docs/benchmarks.md, "Persist"), still
-    read by ``torch.load``/DCP (which never check it) and verified by the manifest's xxh3, but
-    ``zipfile``/``unzip -t`` would call each record damaged."""
-    direct_io: bool = True
+    direct_io: bool = False
     """Write the data files past the page cache (``O_DIRECT``, ``trainer/directio.py``), buffered
-    where the file system refuses it. Saves the kernel's page-cache work on the persist threads
-    (half their CPU on a VM that backs guest pages lazily, docs/benchmarks.md, "Direct writes")
-    and keeps checkpoints from crowding training data out of the page cache, at the price of a
-    restart on the same node reading the checkpoint from the device rather than from memory.
-    False: buffered writes, as DCP's own writer."""
-    background_priority: str = "normal"
-    """CPU priority of each save's persist and commit threads (``trainer/priority.py``): ``normal``,
-    ``low`` (nice 19) or ``idle`` (Linux ``SCHED_IDLE``: only CPU that training leaves). Lower
-    priorities cost training less where the host has no spare cores, and may commit later there."""
+    where the file system refuses it. Off by default: on recycled page-cache pages it took the
+    same CPU and longer wall time than buffered writes; it halved the persist threads' CPU only on
+    a VM that backs guest pages lazily (docs/benchmarks.md, "Direct writes"). It also keeps
+    checkpoints from crowding training data out of the page cache, at the price of a restart on
+    the same node reading the checkpoint from the device."""
     emit_events: bool = True
     """Send ``ckptflow.checkpoint.committed`` to Prefect when PREFECT_API_URL is set."""
     event_exit_budget_s: float = 1.0
@@ -139,11 +131,6 @@ class CheckpointConfig:
             )
         if self.async_mode not in ASYNC_MODES:
             raise ConfigError(f"CheckpointConfig.async_mode={self.async_mode!r}; choose one of {ASYNC_MODES}")
-        if self.background_priority not in PRIORITIES:
-            raise ConfigError(
-                f"CheckpointConfig.background_priority={self.background_priority!r}; "
-                f"choose one of {', '.join(PRIORITIES)}"
-            )
         if self.resume not in ("auto", "never", "required"):
             raise ConfigError(f"CheckpointConfig.resume={self.resume!r}; choose auto, never or required")
         if self.on_save_error not in ("raise", "continue"):
@@ -176,22 +163,11 @@ class SanitySpec:
     probe_tokens: list
     """A small fixed batch, stored in the manifest."""
     probe_fn: Callable[[], float]
-    """Computes the probe loss now (all ranks call it; eval mode, no grad)."""
-    background: bool = False
-    """True: compute the recorded probe loss off the training thread, from the staged (CPU)
-    copy, with a shadow model from ``builder`` (``trainer/probe.py``; rank 0 holds one full copy
-    of the model for it, on the CPU). False (default): ``probe_fn`` on the training thread at
-    every save. Measured on 2 cores with 2 ranks (docs/benchmarks.md, "Probe"): the training
-    thread blocks ~0.1 s less per save, but the end-to-end cost rose (+1.54 % vs +1.19 % of a
-    100-step interval) — the forward pass still runs on the same saturated cores, all of it on
-    rank 0. Worth it where the host has spare cores. Sync saves always use ``probe_fn``."""
-    live_check_every: int = 0
-    """Background probe: the first save of each attempt also runs ``probe_fn`` and fails unless
-    the two agree bitwise; N >= 1 checks every Nth save too."""
+    """Computes the probe loss now (all ranks call it; eval mode, no grad), on the training thread
+    at every save."""
     reference: str = "probe"
     """The loss the sanity step must reproduce. ``probe`` (default): ``probe_fn`` on the fixed
-    probe batch at save time (on the training thread, or from the staged copy with
-    ``background``). ``next_step``: the loss the loop computes anyway at the first step after the
+    probe batch at save time. ``next_step``: the loss the loop computes anyway at the first step after the
     save, handed over with ``CheckpointManager.observe_loss(step, loss)`` — no extra forward pass
     at all (``trainer/probe.py``, ``NextStepLoss``). It needs a builder whose ``Built`` can
     replay that step: ``replay_sampler(world_size)`` (rank 0's data at the saving world size)
@@ -295,10 +271,7 @@ class CheckpointManager:
         self._timings: list = []
         self._hook = None
         self._auto: AutoInterval | None = None
-        self._probe: Any = None  # trainer.probe.BackgroundProbe once the first save agreed on it
-        self._probe_decided = False
         self._next_ref: NextStepLoss | None = None  # SanitySpec.reference="next_step": the pending one
-        self._n_saves = 0  # saves started by this manager (this attempt)
         self.topology: Topology = single(self.env.rank, self.env.world_size)
         if not cfg.enabled:
             return
@@ -342,9 +315,7 @@ class CheckpointManager:
             ckpt_group=group,
             mode=cfg.async_mode,
             writer_threads=cfg.writer_threads,
-            zip_crc32=cfg.zip_crc32,
             direct_io=cfg.direct_io,
-            priority=cfg.background_priority,
             topology=self.topology,
             replicas=cfg.replicas,
         )
@@ -450,11 +421,6 @@ class CheckpointManager:
 
     # -- implementation -------------------------------------------------------------------
     def _handle_save_error(self, e: SaveError) -> bool:
-        if self._probe is not None and ProbeMismatch.__name__ in str(e):
-            # Every rank got the same error (rank 0's outcome is broadcast): all stop trusting
-            # the staged copy's probe together, and record the live model's from now on.
-            log.error("background probe disagreed with the live model: probing on the training thread from now on")
-            self._probe = None
         if self.cfg.on_save_error == "raise":
             raise e
         # Training goes on; the previous committed checkpoint stays the resume point.
@@ -469,44 +435,22 @@ class CheckpointManager:
             train=shared_state(step, scheduler=self.scheduler, scaler=self.scaler),
             per_rank=rank_state(sampler=self.sampler, extra=self.extra),
         )
-        self._n_saves += 1
         next_step = self.sanity is not None and self.sanity.reference == "next_step"
-        if self.sanity is not None and not next_step and not self._probe_decided:
-            self._probe = self._agree_on_probe(state["model"])
-            self._probe_decided = True
-        probe = None if next_step else self._probe
-        live: float | None = None
-        if self.sanity is not None and not next_step and (probe is None or self._live_check_due()):
-            live = self.sanity.probe_fn()
+        live = self.sanity.probe_fn() if self.sanity is not None and not next_step else None
         ref: NextStepLoss | None = None
         if next_step:
             self._next_ref = ref = NextStepLoss(step)
         # The LR a resumed run will use first; the sanity step checks the restored
         # scheduler reproduces it.
         next_lr = float(self.scheduler.get_last_lr()[0]) if self.scheduler is not None else None
-        staged_loss: dict[str, Any] = {}
-
-        def after_upload(staged: dict[str, Any] | None) -> None:
-            assert probe is not None  # the saver calls it only when there is a background probe
-            try:
-                staged_loss["loss"] = probe.loss(staged["model"] if staged is not None else None)
-            except Exception as e:  # reported by build_manifest on rank 0: the save fails everywhere
-                staged_loss["error"] = e
 
         def build(files: dict[str, FileEntry]) -> Manifest:
             if ref is not None:  # rank 0's commit thread: the loss of step N+1, usually there already
                 assert self.sanity is not None
                 return self._manifest(step, files, metrics, next_lr, ref.wait(self.sanity.next_step_timeout_s))
-            loss, source = self._recorded_probe(step, live, staged_loss)
-            return self._manifest(step, files, metrics, next_lr, self._fixed_probe(loss, source))
+            return self._manifest(step, files, metrics, next_lr, self._fixed_probe(live))
 
-        req = SaveRequest(
-            step=step,
-            run_path=self.run_path,
-            build_manifest=build,
-            on_committed=self._on_committed,
-            after_upload=after_upload if probe is not None else None,
-        )
+        req = SaveRequest(step=step, run_path=self.run_path, build_manifest=build, on_committed=self._on_committed)
         assert self._saver is not None  # save() gets here only when cfg.enabled, and then __init__ made the saver
         self._timings.append(self._saver.submit(state, req))
 
@@ -537,62 +481,11 @@ class CheckpointManager:
             loss = self.sanity.probe_fn()
             ref.settle(fixed_batch_record(loss, self.sanity.probe_tokens, "live_model_at_close"))
 
-    def _live_check_due(self) -> bool:
-        n = self.sanity.live_check_every if self.sanity is not None else 0
-        return self._n_saves == 1 or (n >= 1 and self._n_saves % n == 0)
-
-    def _agree_on_probe(self, model_sd: dict[str, Any]) -> Any:
-        """Whether the probe runs in the background (every rank the same answer), and its shadow."""
-        from ckptflow.trainer import probe
-
-        assert self.sanity is not None
-        why = "SanitySpec.background=False"
-        if self.sanity.background:
-            why = "sync saves" if self.cfg.async_mode == "sync" else (probe.supported(model_sd) or "")
-        shadow = None
-        if not why and self.env.rank == 0:
-            try:
-                shadow = probe.build_shadow(self.sanity.builder, self.sanity.config, self.sanity.probe_tokens)
-            except Exception as e:  # the live probe still works: say why, and use it
-                why = f"the shadow model from {self.sanity.builder} could not be built ({e!r})"
-        every: list[Any] = [why]
-        if self.env.world_size > 1:
-            every = [None] * self.env.world_size
-            dist.all_gather_object(every, why, group=self.env.ckpt_group)
-        reasons = sorted({w for w in every if w})
-        if reasons:
-            if self.sanity.background and self.env.rank == 0:
-                log.warning("sanity probe on the training thread at every save: %s", "; ".join(reasons))
-            return None
-        sharded = any(probe.is_sharded(t) for t in model_sd.values())
-        return probe.BackgroundProbe(
-            shadow, rank=self.env.rank, world=self.env.world_size, group=self.env.ckpt_group, gather=sharded
-        )
-
-    @staticmethod
-    def _recorded_probe(step: int, live: float | None, staged: dict[str, Any]) -> tuple[float | None, str]:
-        """Rank 0, building the manifest: the probe loss to record and where it came from, or
-        why the save must fail."""
-        if "error" in staged:
-            raise RuntimeError(f"background probe of step {step} failed: {staged['error']!r}")
-        if "loss" not in staged:
-            return live, "live_model"
-        loss = staged["loss"]
-        if live is not None and loss != live:
-            raise ProbeMismatch(
-                f"step {step}: the staged copy's probe loss {loss!r} is not the live model's {live!r} "
-                "(the snapshot is not the state of this step, or the shadow model differs from the "
-                "trained one); the save is refused and later saves probe the live model"
-            )
-        return loss, ("staged_copy+live_check" if live is not None else "staged_copy")
-
-    def _fixed_probe(self, loss: float | None, source: str) -> dict[str, Any]:
-        """The manifest's probe record of a fixed-batch probe; empty without a SanitySpec."""
+    def _fixed_probe(self, loss: float | None) -> dict[str, Any]:
+        """The manifest's probe record of the fixed-batch probe; empty without a SanitySpec."""
         if self.sanity is None or loss is None:
             return {}
-        # live_model: probe_fn on the training thread; staged_copy: the background probe
-        # (trainer/probe.py); +live_check: both ran and agreed bitwise.
-        return fixed_batch_record(loss, self.sanity.probe_tokens, source)
+        return fixed_batch_record(loss, self.sanity.probe_tokens, "live_model")
 
     def _manifest(
         self, step: int, files: dict[str, FileEntry], metrics: dict, next_lr: float | None, probe: dict[str, Any]

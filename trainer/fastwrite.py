@@ -176,18 +176,15 @@ class HashingStream:
         return True
 
 
-def write_tensor(out: HashingStream, t: torch.Tensor, *, crc32: bool = True) -> bool:
-    """Append ``t`` as ``torch.save`` would; True if through a template, False if by ``torch.save``.
-
-    ``crc32=False`` leaves the data's CRC-32 at 0, as ``torch.serialization.set_crc32_options(False)``
-    does: ``torch.load`` never checks it (ckptflow's xxh3 covers every byte), but ``zipfile`` and
-    ``unzip -t`` then call the record damaged."""
+def write_tensor(out: HashingStream, t: torch.Tensor) -> bool:
+    """Append ``t`` as ``torch.save`` would (its CRC-32 included); True if through a template,
+    False if by ``torch.save``."""
     tpl = template(t)
     if tpl is None:
         torch.save(t, cast(IO[bytes], out))  # it only calls write/flush/tell
         return False
     data = storage_bytes(t)
-    crc = _crc32(data) if crc32 else 0
+    crc = _crc32(data)
     pre, suf = bytearray(tpl.prefix), bytearray(tpl.suffix)
     for at in tpl.crc_in_prefix:
         struct.pack_into("<I", pre, at, crc)
@@ -203,9 +200,8 @@ class HashingWriter(FileSystemWriter):
     """DCP's ``FileSystemWriter`` (same files, same names, same metadata), writing tensors from
     templates and recording each data file's ``(xxh3, size)`` in ``digests``."""
 
-    def __init__(self, path: str | os.PathLike, *, zip_crc32: bool = True, direct_io: bool = False, **kw: Any) -> None:
+    def __init__(self, path: str | os.PathLike, *, direct_io: bool = False, **kw: Any) -> None:
         super().__init__(path, **kw)
-        self.zip_crc32 = zip_crc32
         self.direct_io = direct_io
         """Write the data files past the page cache (``directio.py``); buffered where unsupported."""
         self.files_direct = 0
@@ -245,7 +241,7 @@ class HashingWriter(FileSystemWriter):
                 if t.untyped_storage().nbytes() != t.nbytes:  # as DCP: a view saves only itself
                     t = t.clone()
                 off = out.tell()
-                templated += write_tensor(out, t, crc32=self.zip_crc32)
+                templated += write_tensor(out, t)
                 results.append(_result(wi, storage_key, off, out.tell() - off))
             if isinstance(raw, DirectFile):
                 raw.finish()  # the padded tail, and the file cut to its size

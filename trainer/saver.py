@@ -13,14 +13,11 @@ Timeline of one save (``AsyncSaver.submit``), per rank::
 The stager's thread and the lane are started once, with the saver (``_Lane``): a thread
 started per save made the training thread wait until it ran.
 
-Why this mode: measured on this machine (docs/benchmarks.md) asynchronous staging
-into a reused ``DefaultStager`` blocks the training loop a fixed time per save whatever
-the state size (15 ms inside ``dcp.async_save``, most of it starting threads; far less
-on the lane), and the copy finishes long before the next optimizer step; thread mode
-blocks 2.6-5.9x a memcpy of the state (DCP copies tensor by tensor), ``dcp.save``
-14-22x. PROCESS mode moves serialisation out of the GIL but blocked as much as thread
-mode, needs /dev/shm of 1-2x the checkpoint and 0.2-3.5 s on its first call; it is
-selectable, not default.
+Why this mode: measured (docs/benchmarks.md) asynchronous staging into a reused
+``DefaultStager`` blocks the training loop a fixed time per save whatever the state size, and
+the copy finishes long before the next optimizer step. ``sync`` (``dcp.save`` on the training
+thread) blocks for the whole write and keeps no CPU copy of the state: for hosts without the
+memory for one.
 
 All checkpoint collectives run on a dedicated process group and only from the
 lane, one save at a time, so every rank issues them in the same
@@ -47,21 +44,18 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
 from ckptflow.trainer import faults, layout
 from ckptflow.trainer.checksum import digest_file
 from ckptflow.trainer.errors import SaveError
 from ckptflow.trainer.fastwrite import HashingWriter
 from ckptflow.trainer.manifest import FileEntry, Manifest
-from ckptflow.trainer.priority import check as check_priority
-from ckptflow.trainer.priority import lower_this_thread
 from ckptflow.trainer.restage import ReusingStateDictStager, layout_of
 from ckptflow.trainer.topology import Topology, single
 
 log = logging.getLogger(__name__)
 
-ASYNC_MODES = ("async_staging", "thread", "process", "sync")
+ASYNC_MODES = ("async_staging", "sync")
 # How long wait() gives the background thread to drop a save once its outcome is known (its
 # frame only), and close() to stop it.
 _COMMIT_THREAD_EXIT_S = 30.0
@@ -125,22 +119,11 @@ class _Lane:
 
 class _FaultingWriter(HashingWriter):
     """The data-file writer (``fastwrite.py``) with the ``write``/``shards`` fault points (tests,
-    chaos drills).
+    chaos drills)."""
 
-    In PROCESS mode this object runs in DCP's daemon process, so the faults fire there.
-    """
-
-    def __init__(self, path: str, step: int, *, priority: str = "normal", **kw: Any) -> None:
+    def __init__(self, path: str, step: int, **kw: Any) -> None:
         super().__init__(path, **kw)
         self.step = step
-        self.priority = priority
-        """``priority.PRIORITIES``: the thread that runs DCP's save gets it (not in sync mode, where
-        that thread is the training thread)."""
-
-    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        # DCP's first call on the thread that plans and writes this save, before its collectives.
-        lower_this_thread(self.priority)
-        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
 
     def write_data(self, plan, planner):  # noqa: ANN001 - DCP's signature
         faults.maybe_crash("write", self.step)
@@ -235,9 +218,7 @@ def my_files(all_files: set[str], rank: int, world: int) -> list[str]:
     """The files this rank hashes: those DCP named after it (``__<rank>_*``), and on rank 0
     any file no rank's prefix claims, so every referenced file is hashed exactly once.
 
-    Taken from the metadata DCP returns on every rank — not from the writer object,
-    which in PROCESS mode lives in another process (an earlier version committed
-    manifests without the shards in that mode).
+    Taken from the metadata DCP returns on every rank, the one list every rank agrees on.
     """
     claimed = {f for f in all_files for r in range(world) if f.startswith(f"__{r}_")}
     mine = {f for f in all_files if f.startswith(f"__{rank}_")}
@@ -267,7 +248,7 @@ def disk_full_hint(run_path: str, need: int) -> str:
 
 def _entry(writer: HashingWriter, name: str) -> FileEntry:
     """A file's manifest entry: the digest the writer computed as it wrote the file, else
-    (``.metadata``; PROCESS mode, whose writer ran in DCP's daemon) one read of the file."""
+    (``.metadata``) one read of the file."""
     path = os.path.join(writer.path, name)
     d = writer.digests.get(name)
     if d is None or os.stat(path).st_size != d.size:
@@ -275,21 +256,12 @@ def _entry(writer: HashingWriter, name: str) -> FileEntry:
     return FileEntry(d.size, d.hexdigest(), d.block, d.blocks())
 
 
-class _RecordingStager(DefaultStager):
-    """DCP's stager, remembering what it staged (the background probe runs on that copy), and
-    restaging an unchanged layout by copies alone (``restage.py``; not for PROCESS mode's shared
-    memory, whose daemon is handed the tree anew each save)."""
-
-    last: Any = None
+class _ReusingStager(DefaultStager):
+    """DCP's stager, restaging an unchanged layout by copies alone (``restage.py``)."""
 
     def __init__(self, options: StagingOptions) -> None:
         super().__init__(options)
-        if not options.use_shared_memory:
-            self._state_dict_stager = ReusingStateDictStager(pin_memory=options.use_pinned_memory, share_memory=False)
-
-    def stage(self, state_dict, **kw):  # noqa: ANN001, ANN201 - DCP's signature
-        self.last = out = super().stage(state_dict, **kw)
-        return out
+        self._state_dict_stager = ReusingStateDictStager(pin_memory=options.use_pinned_memory, share_memory=False)
 
 
 @dataclass
@@ -300,11 +272,6 @@ class SaveRequest:
     """Called on rank 0 with every rank's file entries; returns the manifest to commit."""
     on_committed: Callable[[Manifest, str], None] | None = None
     """Called on rank 0 after the commit (outbox + event), still in the background."""
-    after_upload: Callable[[dict[str, Any] | None], None] | None = None
-    """Called on *every* rank in the commit thread once DCP has written the files and before
-    the manifest is built, with the staged copy of the state (None in sync mode). It may run
-    collectives on the checkpoint group (every rank calls it at the same point); it must not
-    raise (record a failure for ``build_manifest`` to report: then the save fails on every rank)."""
 
 
 @dataclass
@@ -328,9 +295,7 @@ class AsyncSaver:
         ckpt_group: dist.ProcessGroup,
         mode: str = "async_staging",
         writer_threads: int = 1,
-        zip_crc32: bool = True,
         direct_io: bool = False,
-        priority: str = "normal",
         topology: Topology | None = None,
         replicas: int = 2,
         timeout_s: float = 600.0,
@@ -346,22 +311,18 @@ class AsyncSaver:
         self._last_bytes = 0  # size of the last committed checkpoint: what the next one needs
         self.mode = mode
         self.writer_threads = writer_threads
-        self.zip_crc32 = zip_crc32
         self.direct_io = direct_io
-        # Checked here, not first in the commit thread: a bad value fails at construction.
-        self.priority = check_priority(priority)
-        """CPU priority of the persist and commit threads (``trainer/priority.py``)."""
         # Reused across saves: its CPU buffers are allocated once, then copied into.
         self._stager = (
-            _RecordingStager(
+            _ReusingStager(
                 StagingOptions(
                     use_pinned_memory=False,
-                    use_shared_memory=(mode == "process"),
-                    use_async_staging=(mode == "async_staging"),
+                    use_shared_memory=False,
+                    use_async_staging=True,
                     use_non_blocking_copy=False,
                 )
             )
-            if mode != "sync"
+            if mode == "async_staging"
             else None
         )
         self._staging: Future | None = None
@@ -383,9 +344,7 @@ class AsyncSaver:
             req.step,
             thread_count=self.writer_threads,
             sync_files=True,
-            zip_crc32=self.zip_crc32,
             direct_io=self.direct_io,
-            priority=self.priority if self.mode != "sync" else "normal",
         )
         t0 = time.perf_counter()
         upload: Future = Future()
@@ -406,47 +365,27 @@ class AsyncSaver:
                 upload.set_exception(e)  # the commit reports it as a SaveError
             timing.blocked_s = timing.staged_s = time.perf_counter() - t0
         else:
-            staging: Future | None = None  # None: staged before the call below returned
-            if self.mode == "process":
-                resp = dcp.async_save(
-                    state,
-                    storage_writer=writer,
-                    process_group=self.group,
-                    planner=canonical_planner(self._plan_key),
-                    async_stager=self._stager,
-                    async_checkpointer_type=AsyncCheckpointerType.PROCESS,
-                )
-                if isinstance(resp, AsyncSaveResponse):
-                    staging, upload = resp.staging_completion, resp.upload_completion
-                else:  # staging finished synchronously inside async_save
-                    upload = resp
-            else:
-                # What dcp.async_save does in THREAD mode, but its upload runs on the lane instead
-                # of on a thread started for it (the stager's own thread is reused from save to save).
-                assert self._stager is not None
-                staged_or_copy = self._stager.stage(state)  # async staging: a Future; thread mode: the copy
-                if isinstance(staged_or_copy, Future):
-                    staging = staged_or_copy
-                upload_job = functools.partial(self._upload, staged_or_copy, writer, upload)
-            if staging is not None:
-                self._staging = staging
-                staging.add_done_callback(lambda _f: setattr(timing, "staged_s", time.perf_counter() - t0))
-            else:
-                timing.staged_s = time.perf_counter() - t0
+            # What dcp.async_save does with async staging, but its upload runs on the lane instead
+            # of on a thread started for it (the stager's own thread is reused from save to save).
+            assert self._stager is not None
+            staging = self._stager.stage(state)
+            assert isinstance(staging, Future)  # DefaultStager with use_async_staging: always a Future
+            self._staging = staging
+            staging.add_done_callback(lambda _f: setattr(timing, "staged_s", time.perf_counter() - t0))
+            upload_job = functools.partial(self._upload, staging, writer, upload)
             timing.blocked_s = time.perf_counter() - t0
             faults.maybe_crash("staging", req.step)  # the staged copy is being made in the background
-        staged = self._stager.last if self._stager is not None else None
         done: Future = Future()
         self._done = done
-        commit_job = functools.partial(self._commit, upload, writer, req, timing, t0, done, staged)
+        commit_job = functools.partial(self._commit, upload, writer, req, timing, t0, done)
         self._released = self._lane.submit(commit_job if upload_job is None else _then(upload_job, commit_job), done)
         return timing
 
-    def _upload(self, staged_or_copy: Any, writer: _FaultingWriter, upload: Future) -> None:
+    def _upload(self, staging: Future, writer: _FaultingWriter, upload: Future) -> None:
         """DCP's save of the staged copy (on the lane, once staging is done): its outcome into
         ``upload``, as DCP's own upload executor sets it."""
         try:
-            copy = staged_or_copy.result() if isinstance(staged_or_copy, Future) else staged_or_copy
+            copy = staging.result()
             upload.set_result(
                 dcp.save(
                     copy, storage_writer=writer, process_group=self.group, planner=canonical_planner(self._plan_key)
@@ -502,11 +441,9 @@ class AsyncSaver:
         timing: SaveTiming,
         t0: float,
         done: Future,
-        staged: Any = None,
     ) -> None:
         try:
-            lower_this_thread(self.priority)  # the lane: nothing but saves runs on it
-            gathered = self._gather_entries(upload, writer, req, timing, t0, staged)
+            gathered = self._gather_entries(upload, writer, req, timing, t0)
             if self.topology.scope == "node":
                 self._commit_nodes(gathered, req, timing)
             else:
@@ -530,7 +467,7 @@ class AsyncSaver:
         )
 
     def _gather_entries(
-        self, upload: Future, writer: _FaultingWriter, req: SaveRequest, timing: SaveTiming, t0: float, staged: Any
+        self, upload: Future, writer: _FaultingWriter, req: SaveRequest, timing: SaveTiming, t0: float
     ) -> list | None:
         """Phases 1-2: wait for DCP, hash this rank's files, gather everyone's entries on rank 0."""
         err: BaseException | None = None
@@ -540,16 +477,6 @@ class AsyncSaver:
         except BaseException as e:  # DCP's CheckpointException derives from BaseException
             err = e
         timing.persisted_s = time.perf_counter() - t0
-        if req.after_upload is not None:
-            # Every rank, failed upload or not: the hook may gather (its failure is recorded,
-            # and reported by build_manifest).
-            tp = time.perf_counter()
-            try:
-                copy = staged.result() if isinstance(staged, Future) else staged
-            except BaseException:  # staging failed: the upload's error says so; the hook still runs
-                copy = None
-            req.after_upload(copy)
-            timing.extra["after_upload_s"] = time.perf_counter() - tp
         # Every rank reaches the gather, failed or not, so no rank waits forever.
         entries: dict[str, FileEntry] = {}
         if err is None:

@@ -139,6 +139,7 @@ def _checkpoint_rows(cfg_path: str, run_path: str, steps: list[int]) -> list[dic
         v = st.get(VERIFY.record)
         row["verified"] = bool(v)
         row["probe"] = (v or {}).get("sanity", {}).get("probe_match")
+        row["expectations"] = ((v or {}).get("expectations") or {}).get("success")
         row["quarantined"] = (st.get("quarantined") or {}).get("reasons")
         row["stages"] = [k for k in RECORDS if k in st]
         rows.append(row)

@@ -37,6 +37,10 @@ def _demo(wd, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_demo_end_to_end(tmp_path):
+    """``ckptflow demo`` as a user starts it: a Prefect server, ``ckptflow serve``, a 2-rank job
+    whose commit events trigger the lifecycles; a worker SIGKILLed mid-run; every checkpoint
+    verified (probe bitwise, expectations met), compressed onto warm and cold, hot pruned by
+    policy; the drill restores the newest at another world size."""
     wd = tmp_path / "demo"
     r = _demo(wd, "--steps", "40", "--save-every", "10", "--kill-at", "15")
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
@@ -47,8 +51,10 @@ def test_demo_end_to_end(tmp_path):
     assert total >= 5 and same == total  # replayed steps bit-identical
     assert [c["step"] for c in s["checkpoints"]] == [10, 20, 30, 40]
     for c in s["checkpoints"]:
-        assert c["verified"] and c["probe"] == "bitwise" and "cold" in c["tiers"]
-        assert c["stored"]["cold"] < c["raw"]  # compressed
+        assert c["verified"] and c["probe"] == "bitwise" and c["expectations"] is True
+        assert {"warm", "cold"} <= set(c["tiers"]) and c["stored"]["cold"] < c["raw"]  # compressed
+    # prune by the demo's policy: hot keeps the newest 3, warm 4, cold 10
+    assert [c["step"] for c in s["checkpoints"] if "hot" in c["tiers"]] == [20, 30, 40]
     assert set(s["lifecycle_states"].values()) == {"COMPLETED"}
     assert s["drill"]["ok"] and os.path.getsize(s["drill"]["plot"]) > 10_000
     res = s["drill"]["results"][0]

@@ -1,6 +1,6 @@
 """The lifecycle on real parts: a Prefect server (session harness), moto's S3 server over
-HTTP, real training jobs. Flows run in-process against the harness, except the
-end-to-end test, where ``flows.serve`` picks up the commit events like production."""
+HTTP, real training jobs; flows run in-process against the harness. Commit events picking up
+served lifecycles as in production: ``tests/e2e/test_demo.py``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import subprocess
-import time
 
 import pytest
 
@@ -22,71 +21,10 @@ from tests.helpers import (
     flip_byte,
     free_port,
     make_run,
-    run_torchrun,
     step_dir,
     torchrun_env,
     write_config,
 )
-
-
-def committed(path) -> set[int]:
-    return {s for n in os.listdir(path) if (s := layout.parse_step(n)) is not None} if os.path.isdir(path) else set()
-
-
-def wait_for_runs(prefix: str, n: int, timeout: float = 400) -> list:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with get_client(sync_client=True) as c:
-            runs = c.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=prefix)), limit=50)
-        final = [r for r in runs if r.state_type.value in ("COMPLETED", "FAILED", "CRASHED")]
-        if len(final) >= n:
-            return runs
-        time.sleep(2)
-    raise TimeoutError(f"{prefix}: fewer than {n} finished flow runs after {timeout} s")
-
-
-def test_training_commits_trigger_lifecycles_end_to_end(prefect_api, s3_endpoint, s3_bucket, tmp_path):
-    """Commit events from a 2-rank job trigger served lifecycle runs; every checkpoint ends
-    verified, in warm and in cold with its marker, and prune leaves exactly the policy's set."""
-    hot = tmp_path / "hot"
-    cfg = write_config(tmp_path, hot, s3_endpoint, s3_bucket)
-    env = dict(torchrun_env(), PREFECT_API_URL=prefect_api, PREFECT_SERVER_ANALYTICS_ENABLED="false")
-    log = open(tmp_path / "serve.log", "w")
-    srv = subprocess.Popen(
-        [PY, "-m", "ckptflow.flows.serve", "--config", cfg, "--reconcile-every", "3600"],
-        cwd=REPO,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        time.sleep(8)  # the runner registers its deployments and triggers
-        r = run_torchrun(
-            ["--ckpt-root", str(hot), "--run-id", "e2e", "--model", "tiny", "--max-steps", "8", "--save-every", "2"],
-            env={"PREFECT_API_URL": prefect_api},
-        )
-        assert r.returncode == 0, r.stderr[-3000:]
-        runs = wait_for_runs("lifecycle-e2e-step", 4)
-    finally:
-        srv.terminate()
-        srv.wait(30)
-    states = {x.name: x.state_type.value for x in runs}
-    assert states == {f"lifecycle-e2e-step{s}": "COMPLETED" for s in (2, 4, 6, 8)}, (
-        states,
-        (tmp_path / "serve.log").read_text()[-3000:],
-    )
-    run = hot / "e2e"
-    for s in (2, 4, 6, 8):
-        rec = json.loads((run / "_lifecycle" / layout.step_name(s) / "verified.json").read_text())
-        assert rec["sanity"]["probe_match"] == "bitwise" and rec["expectations"]["success"]
-        assert (run / "_lifecycle" / layout.step_name(s) / "archived.json").exists()
-    assert committed(run) == {6, 8}  # hot keep_last 2
-    assert committed(tmp_path / "warm" / "e2e") == {6, 8}  # warm keep_last 2
-    assert cold_steps(s3_endpoint, s3_bucket, "e2e") == {4, 6, 8}  # cold keep_last 3
 
 
 @pytest.fixture

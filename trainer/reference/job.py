@@ -24,7 +24,6 @@ import torch.distributed as dist
 from ckptflow.trainer import faults
 from ckptflow.trainer.checkpointer import CheckpointConfig, CheckpointManager, Provenance, SanitySpec
 from ckptflow.trainer.distenv import init_distributed, shutdown
-from ckptflow.trainer.priority import PRIORITIES
 from ckptflow.trainer.reference import threadcpu
 from ckptflow.trainer.reference.build import BUILDER, TrainConfig, build
 from ckptflow.trainer.reference.data import GlobalSampler
@@ -57,16 +56,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--schedule-steps", type=int, default=1000)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--parallel", default="fsdp", choices=["fsdp", "ddp", "none"])
-    p.add_argument("--async-mode", default="async_staging", choices=["async_staging", "thread", "process", "sync"])
+    p.add_argument("--async-mode", default="async_staging", choices=["async_staging", "sync"])
     p.add_argument("--no-save", action="store_true", help="train without checkpoints (benchmarks)")
     p.add_argument(
         "--probe",
         default="live",
-        choices=["live", "background", "next-step"],
+        choices=["live", "next-step"],
         help="the sanity reference loss: a forward pass on the training thread at every save (live, the "
-        "default), from the staged copy in the background (checked live at the first save; "
-        "SanitySpec.background), or the loss of the first step after each save, which the loop computes "
-        "anyway (next-step; SanitySpec.reference)",
+        "default), or the loss of the first step after each save, which the loop computes anyway "
+        "(next-step; SanitySpec.reference)",
     )
     p.add_argument(
         "--allow-mismatch", action="store_true", help="resume even if the config hash or data fingerprint differs"
@@ -80,12 +78,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="whether --ckpt-root is each node's own disk or shared (auto: find out)",
     )
     p.add_argument("--replicas", type=int, default=2, help="node-local roots: nodes holding each shard (1: none)")
-    p.add_argument(
-        "--background-priority",
-        default=None,
-        choices=list(PRIORITIES),
-        help="CPU priority of each save's persist and commit threads (default: CheckpointConfig's)",
-    )
     p.add_argument(
         "--direct-io",
         default=None,
@@ -143,7 +135,6 @@ def main(argv: list[str] | None = None) -> int:
             on_save_error=args.on_save_error,
             hot_scope=args.hot_scope,
             replicas=args.replicas,
-            **({"background_priority": args.background_priority} if args.background_priority else {}),
             **({"direct_io": args.direct_io == "on"} if args.direct_io else {}),
         ),
         model=b.model,
@@ -156,7 +147,6 @@ def main(argv: list[str] | None = None) -> int:
             config=tcfg.to_dict(),
             probe_tokens=b.probe.tolist(),
             probe_fn=b.probe_loss,
-            background=args.probe == "background",
             reference="next_step" if args.probe == "next-step" else "probe",
         ),
         env=env,
