@@ -71,7 +71,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("mode", ["async_staging", "thread"])
+@pytest.mark.parametrize("mode", ["async_staging", "sync"])
 def test_saver_copies_before_training_mutates(tmp_path, mode):
     env = torchrun_env({"CKPTFLOW_FAULT": "write@1:sleep1", "ROOT": str(tmp_path), "MODE": mode})
     r = subprocess.run([PY, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
