@@ -2,7 +2,6 @@
 
     python -m benchmarks.bench_fleet [--runs 8] [--workers 2] [--commit-every-s 60] [--minutes 4]
                                      [--backends sqlite,postgres] [--outage-s 60] [--reconcile-every 60]
-                                     [--fork-flow-runs on|off|both]
 
 For each backend: a Prefect server (SQLite in its home, or a real PostgreSQL cluster), the
 deployments on a process work pool (``ckptflow deploy``), ``--workers`` general workers (each
@@ -11,8 +10,6 @@ moto as S3, and ``--runs`` training runs of the tiny reference model, each commi
 every ``--commit-every-s`` seconds for ``--minutes``. Then the backlog drains. With
 ``--outage-s``, one more PostgreSQL round kills the Prefect server that long in the middle;
 the reconcile deployment (every ``--reconcile-every`` s) must catch up every commit it missed.
-``--fork-flow-runs both`` runs each backend twice, the workers' flow-run processes started
-fresh (``[prefect] fork_flow_runs = false``) and forked (``flows/forkrun.py``), for the ratio.
 
 Measured: commits and lifecycles finished per minute, commit -> flow-run-start latency
 p50/p95/p99, commit -> lifecycle done p50/p95, how long the backlog took to drain, and the
@@ -40,7 +37,7 @@ POOL = "ckptflow-pool"
 STEP_SLEEP = 1.0  # long steps: 8 trainers must not eat the 2 cores the lifecycles need
 
 
-def config(path: str, wd: str, s3: str, bucket: str, fork_flow_runs: bool = True) -> str:
+def config(path: str, wd: str, s3: str, bucket: str) -> str:
     with open(path, "w") as f:
         f.write(f"""
 [hot]
@@ -67,7 +64,6 @@ max_norm_change = 100.0
 flow_concurrency = 2
 sanity_per_machine = 1
 uploads_per_machine = 2
-fork_flow_runs = {str(fork_flow_runs).lower()}
 """)
     return path
 
@@ -152,16 +148,14 @@ def trainers(
     return out
 
 
-def one_round(
-    a: argparse.Namespace, backend: str, s3: MotoServer, base: str, *, outage: bool = False, fork_runs: bool = True
-) -> dict:
-    name = backend + ("-outage" if outage else "") + ("" if fork_runs else "-fresh")
+def one_round(a: argparse.Namespace, backend: str, s3: MotoServer, base: str, *, outage: bool = False) -> dict:
+    name = backend + ("-outage" if outage else "")
     wd = os.path.join(base, name)
     os.makedirs(wd)
     bucket = s3.make_bucket(f"fleet-{name}")
-    cfg = config(os.path.join(wd, "ckptflow.toml"), wd, s3.url, bucket, fork_runs)
+    cfg = config(os.path.join(wd, "ckptflow.toml"), wd, s3.url, bucket)
     pg = PostgresServer(os.path.join(wd, "pg.log")) if backend == "postgres" else None
-    res: dict[str, Any] = {"backend": backend, "outage_s": a.outage_s if outage else 0, "fork_flow_runs": fork_runs}
+    res: dict[str, Any] = {"backend": backend, "outage_s": a.outage_s if outage else 0}
     try:
         srv = PrefectServer(
             os.path.join(wd, "prefect"), os.path.join(wd, "prefect.log"), database_url=pg.url if pg else None
@@ -210,9 +204,6 @@ def one_round(
             t_drained = time.time()
             busy = busy_cpu_s() - busy0
             runs = flow_runs(srv.url)
-            # which worker ran them: ours forks each flow run (flows/worker.py), Prefect's starts it fresh
-            logs = "".join(open(os.path.join(wd, f"worker{w}.log"), errors="replace").read() for w in range(a.workers))
-            res["worker"] = "forking" if "Worker 'ForkingProcessWorker" in logs else "prefect"
     finally:
         if pg is not None:
             pg.stop()
@@ -290,17 +281,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reconcile-every", type=int, default=60)
     p.add_argument("--drain-timeout-s", type=float, default=900.0)
     p.add_argument("--keep", action="store_true")
-    p.add_argument("--fork-flow-runs", choices=("on", "off", "both"), default="on")
     a = p.parse_args(argv)
-    modes = {"on": [True], "off": [False], "both": [False, True]}[a.fork_flow_runs]
     base = tempfile.mkdtemp(prefix="ckptflow-bench-fleet-")
     out = []
     try:
         with MotoServer(os.path.join(base, "moto.log")) as s3:
             for b in [x.strip() for x in a.backends.split(",") if x.strip()]:
-                for fork_runs in modes:
-                    out.append(one_round(a, b, s3, base, fork_runs=fork_runs))
-                    print(json.dumps(out[-1]), flush=True)
+                out.append(one_round(a, b, s3, base))
+                print(json.dumps(out[-1]), flush=True)
             if a.outage_s:
                 out.append(one_round(a, "postgres", s3, base, outage=True))
                 print(json.dumps(out[-1]), flush=True)
@@ -312,8 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in out:
         sl, e2e = r["start_latency_s"], r["end_to_end_s"]
         line = (
-            f"{r['backend']:8s}{' outage' if r['outage_s'] else ''}, {r['worker']} worker"
-            f" ({'forked' if r['fork_flow_runs'] else 'fresh'} flow runs): {r['runs']} runs x 1 commit / "
+            f"{r['backend']:8s}{' outage' if r['outage_s'] else ''}: {r['runs']} runs x 1 commit / "
             f"{r['commit_every_s']:g} s on {r['workers']} workers: {r['commits']} commits "
             f"({r['commits_per_min']:.1f}/min), lifecycles {r['lifecycles_per_min']:.1f}/min; start latency "
             f"p50/p95/p99 {_s(sl['p50'])}/{_s(sl['p95'])}/{_s(sl['p99'])}; end to end p50/p95 "

@@ -1,6 +1,6 @@
 """The lifecycle on many nodes: commit -> warm latency, and promote throughput per node.
 
-    python -m benchmarks.bench_node_lifecycle [--model small] [--steps 20] [--every 10] [--fork-flow-runs on|off|both]
+    python -m benchmarks.bench_node_lifecycle [--model small] [--steps 20] [--every 10]
 
 A Prefect server, the deployments in a process work pool, a general worker and one worker per
 node (each on its queue ``node-<id>``, with its node's config), as in ``ckptflow demo --nodes 2``.
@@ -14,8 +14,6 @@ Measured: commit -> warm-committed latency per checkpoint (the outbox's ``commit
 ``promoted`` record; the sanity step is off in both, so both measure the data path), and each
 node's promote throughput (its part's bytes / seconds) against a plain ``copyfile`` + ``fsync`` of
 the same files into the same warm folder (target >= 0.8x). Warm stores ``none`` (plain copies).
-``--fork-flow-runs both``: everything twice, the workers' flow runs started fresh
-(``[prefect] fork_flow_runs = false``), then forked from their fork servers (``flows/forkrun.py``).
 """
 
 from __future__ import annotations
@@ -38,12 +36,11 @@ RUN1, RUN2 = "bench-one", "bench-nodes"
 POOL = "ckptflow-pool"
 
 
-def config(path: str, hot: str, warm: str, fork_flow_runs: bool = True) -> str:
+def config(path: str, hot: str, warm: str) -> str:
     with open(path, "w") as f:
         f.write(
             f'[hot]\nurl = "{hot}"\n[hot.retention]\nkeep_all = true\n[warm]\nurl = "{warm}"\n'
             "[warm.retention]\nkeep_all = true\n[lifecycle]\nsanity_step = false\nnode_part_timeout_s = 300\n"
-            f"[prefect]\nfork_flow_runs = {str(fork_flow_runs).lower()}\n"
         )
     return path
 
@@ -87,16 +84,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="small")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--every", type=int, default=10)
-    p.add_argument("--fork-flow-runs", choices=("on", "off", "both"), default="on")
     a = p.parse_args(argv)
-    for fork in {"on": [True], "off": [False], "both": [False, True]}[a.fork_flow_runs]:
-        one_mode(a, fork)
+    one_mode(a)
     return 0
 
 
-def one_mode(a: argparse.Namespace, fork: bool) -> None:
+def one_mode(a: argparse.Namespace) -> None:
     wd = tempfile.mkdtemp(prefix="ckptflow-bench-nodelc-")
-    res: dict = {"model": a.model, "fork_flow_runs": fork}
+    res: dict = {"model": a.model}
     try:
         with PrefectServer(os.path.join(wd, "prefect"), os.path.join(wd, "prefect.log")) as srv, Supervisor() as sup:
             os.environ["PREFECT_API_URL"] = srv.url
@@ -104,7 +99,7 @@ def one_mode(a: argparse.Namespace, fork: bool) -> None:
             from ckptflow.flows.serve import deploy
 
             warm1, warm2 = os.path.join(wd, "warm1"), os.path.join(wd, "warm2")
-            gen1 = config(os.path.join(wd, "g1.toml"), os.path.join(wd, "one"), warm1, fork)
+            gen1 = config(os.path.join(wd, "g1.toml"), os.path.join(wd, "one"), warm1)
             from prefect.settings import PREFECT_API_URL, temporary_settings
 
             with temporary_settings({PREFECT_API_URL: srv.url}):  # Prefect caches settings per process
@@ -146,10 +141,10 @@ def one_mode(a: argparse.Namespace, fork: bool) -> None:
             sup.stop(g)
             # 2 nodes x 1 rank, node-local hot roots
             roots = [os.path.join(wd, f"node{i}") for i in range(2)]
-            gen2 = config(os.path.join(wd, "g2.toml"), os.path.join(wd, "general-hot"), warm2, fork)
+            gen2 = config(os.path.join(wd, "g2.toml"), os.path.join(wd, "general-hot"), warm2)
             worker(gen2, "--general")
             for i, r in enumerate(roots):
-                worker(config(os.path.join(wd, f"n{i}.toml"), r, warm2, fork))
+                worker(config(os.path.join(wd, f"n{i}.toml"), r, warm2))
             time.sleep(10)  # the workers register their queues
             args[3] = RUN2
             with NodeAgents(roots, args[2:], env=env, log_dir=os.path.join(wd, "logs")) as nodes:
@@ -178,7 +173,7 @@ def one_mode(a: argparse.Namespace, fork: bool) -> None:
     med = statistics.median
     one, two = med(res["one_node_latency_s"]), med(res["two_node_latency_s"])
     print(
-        f"{'forked' if fork else 'fresh'} flow runs; model {a.model}; commit -> warm committed: "
+        f"model {a.model}; commit -> warm committed: "
         f"1 node x 2 ranks {one:.1f} s, 2 nodes x 1 rank {two:.1f} s "
         f"({two / one:.2f}x)"
     )

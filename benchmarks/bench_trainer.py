@@ -18,7 +18,7 @@ not a timed test. Two parts, each real ``torchrun`` jobs (2 ranks, gloo, FSDP2):
    the steps after each save over the run's own median step, with the same steps of
    the no-save run as the noise control.
 
-Targets (issue 2): stall <= 1.0x memcpy floor; persist >= 0.8x dd; load >= 0.8x raw
+Targets: stall <= 1.0x memcpy floor; persist >= 0.8x dd; load >= 0.8x raw
 read; end-to-end overhead <= 0.5 % of training time. Results: docs/benchmarks.md.
 """
 

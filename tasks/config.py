@@ -216,21 +216,22 @@ class PrefectConfig:
     uploads_per_machine: int = 2
     """Archives (S3 uploads) at once on one machine (likewise)."""
     forkserver: bool = True
-    """``ckptflow worker`` and ``ckptflow serve`` start a fork server (``tasks/forkserver.py``):
-    a worker's flow runs are children forked from it (``flows/forkrun.py``: Prefect's engine
-    and our flows imported once, not in a fresh process per run), and on a general worker and
-    under ``serve`` the lifecycle's stages, sanity steps and expectations run in children too
-    (torch, DCP, Great Expectations, boto3 and s3fs imported once) — instead of paying ~9 CPU-s
-    of imports per checkpoint."""
-    fork_flow_runs: bool = True
-    """With ``forkserver``: a worker's flow-run processes fork from it too. ``false`` keeps
-    Prefect's own worker and a fresh ``python -m prefect.engine`` per run (the stages and checks
-    still fork on a general worker); for comparing, or a deployment that needs a fresh process."""
+    """``ckptflow worker --general`` and ``ckptflow serve`` start a fork server
+    (``tasks/forkserver.py``): the lifecycle's stages, sanity steps and expectations run in
+    children forked from one process that imported torch, DCP, Great Expectations, boto3 and
+    s3fs once, instead of paying those imports in every flow run. Prefect's flow-run processes
+    themselves start as Prefect starts them."""
+    fork_flow_runs: bool | None = None
+    """Ignored; accepted so older config files still load (flow runs are no longer forked)."""
     work_pool: str | None = None
     """Ignored; accepted so older config files still load. The work pool is named where the
     deployments are: ``deployments/prefect.yaml``."""
 
     def __post_init__(self) -> None:
+        if self.fork_flow_runs is not None:
+            logging.getLogger(__name__).warning(
+                "[prefect] fork_flow_runs is ignored: flow runs start as Prefect starts them; remove the key"
+            )
         if self.work_pool is not None:
             logging.getLogger(__name__).warning(
                 "[prefect] work_pool = %r is ignored: the work pool is named in deployments/prefect.yaml; "
@@ -241,9 +242,8 @@ class PrefectConfig:
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise _fail(f"prefect.{key}", v, "must be an integer >= 1")
-        for key in ("forkserver", "fork_flow_runs"):
-            if not isinstance(getattr(self, key), bool):
-                raise _fail(f"prefect.{key}", getattr(self, key), "must be true or false")
+        if not isinstance(self.forkserver, bool):
+            raise _fail("prefect.forkserver", self.forkserver, "must be true or false")
 
 
 @dataclass(kw_only=True, slots=True)

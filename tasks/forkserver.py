@@ -20,12 +20,12 @@ later one will redo. The child takes the caller's
 environment, working directory and ``PYTHONPATH``, so it imports the same builders the
 caller's own subprocess would have.
 
-Only the jobs in :data:`JOBS` run (the socket is in a directory only its user can open);
-a higher layer adds its own with :func:`register` from a module the server preloads
-(``ckptflow.flows.forkrun``: a whole Prefect flow-run process, run by :func:`run_attached`
-with the caller's standard streams). A caller with no server (``$CKPTFLOW_FORKSERVER``
-unset, or nothing listening) gets ``None`` from :func:`call` and runs the check the old way. The server exits when the
-process that started it is gone (``--parent``); children still running finish their check.
+Only the jobs in :data:`JOBS` run (the socket is in a directory only its user can open).
+Prefect's flow-run processes are not forked from here: the server never imports Prefect
+(a fork of a process that did would copy its threads' locks and its client state). A caller
+with no server (``$CKPTFLOW_FORKSERVER`` unset, or nothing listening) gets ``None`` from
+:func:`call` and runs the check in a fresh process. The server exits when the process that
+started it is gone (``--parent``); children still running finish their check.
 Code upgraded under a running server takes effect when its worker restarts, like the
 worker's own.
 """
@@ -33,7 +33,6 @@ worker's own.
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
 import os
 import signal
@@ -102,14 +101,6 @@ JOBS: dict[str, Callable[[dict[str, Any]], Any]] = {"sanity": _sanity, "expectat
 _KEEPS_FAULTS = {"stage"}
 
 
-def register(name: str, job: Callable[[dict[str, Any]], Any], *, keeps_faults: bool = False) -> None:
-    """Add a job from a higher layer (its module registers at import; the server must preload
-    it — :func:`start`'s ``preload`` — and the caller import it, so both sides know the name)."""
-    JOBS[name] = job
-    if keeps_faults:
-        _KEEPS_FAULTS.add(name)
-
-
 class ForkServerError(RuntimeError):
     """A check the fork server ran raised, or its child died before answering."""
 
@@ -138,7 +129,7 @@ def call(
     ``timeout_s`` (the child is killed first). ``forward_output``: the child's output is
     copied to this process's stderr afterwards (a stage's log lines, as if it ran here).
     """
-    started = _start_job(job, args, stdio=False, connect_timeout_s=connect_timeout_s)
+    started = _start_job(job, args, connect_timeout_s=connect_timeout_s)
     if started is None:
         return None
     s, f, pid, log = started
@@ -162,43 +153,8 @@ def call(
             _remove(log)
 
 
-def run_attached(job: str, args: dict[str, Any], *, connect_timeout_s: float = 120.0) -> int | None:
-    """Run ``job`` in a fresh child as if it were this process: with this process's standard
-    streams, its SIGTERM/SIGINT/SIGHUP forwarded to the child, no timeout; returns the exit
-    code the job returned (``{"rc": int}``), ``None`` when there is no server (nothing ran).
-
-    A child that dies without answering (killed, crashed) ends this process with SIGKILL:
-    whoever waits on this process sees it die as the job's own process would have. If this
-    process dies, the child does too (see :func:`_die_with_caller`).
-    """
-    started = _start_job(job, args, stdio=True, connect_timeout_s=connect_timeout_s)
-    if started is None:
-        return None
-    s, f, pid, _ = started
-    with s:
-
-        def forward(signum: int, _frame: object) -> None:
-            try:
-                os.kill(pid, signum)
-            except ProcessLookupError:
-                pass
-
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(sig, forward)
-        s.settimeout(None)
-        line = f.readline()
-        if not line:
-            print(f"ckptflow: fork-server job {job} (pid {pid}) died before answering", file=sys.stderr, flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-        res = json.loads(line)
-        if "error" in res:
-            print(res["error"], file=sys.stderr, flush=True)
-            return 1
-        return int(dict(res["value"]).get("rc", 0))
-
-
 def _start_job(
-    job: str, args: dict[str, Any], *, stdio: bool, connect_timeout_s: float
+    job: str, args: dict[str, Any], *, connect_timeout_s: float
 ) -> tuple[socket.socket, Any, int, str] | None:
     """Connect, send the request, read the child's hello: the socket, its reader, the child's
     pid and log; ``None`` when no server answered (nothing ran)."""
@@ -207,7 +163,7 @@ def _start_job(
     s = _connect(connect_timeout_s)
     if s is None:
         return None
-    head = _request(s, job, args, stdio=stdio)
+    head = _request(s, job, args)
     if head is None:
         s.close()
         return None
@@ -231,15 +187,11 @@ def _connect(timeout_s: float) -> socket.socket | None:
     return s
 
 
-def _request(s: socket.socket, job: str, args: dict[str, Any], *, stdio: bool) -> tuple[Any, int, str] | None:
-    """Send the request (with this process's fds 0-2 when ``stdio``); the child's pid and log
-    from its hello, or ``None`` when the server went away before forking (nothing ran)."""
+def _request(s: socket.socket, job: str, args: dict[str, Any]) -> tuple[Any, int, str] | None:
+    """Send the request; the child's pid and log from its hello, or ``None`` when the server
+    went away before forking (nothing ran)."""
     req = {"job": job, "args": args, "env": dict(os.environ), "cwd": os.getcwd(), "pid": os.getpid()}
     try:
-        if stdio:  # the fds ride on the first byte (SCM_RIGHTS); the child makes them its own 0-2
-            socket.send_fds(s, [b"S"], [0, 1, 2])
-        else:
-            s.sendall(b"-")
         s.sendall(json.dumps(req).encode() + b"\n")
         f = s.makefile("rb")
         hello = f.readline()
@@ -323,8 +275,7 @@ def new_socket_path() -> str:
 def start(env: dict[str, str] | None = None, preload: tuple[str, ...] = PRELOAD) -> tuple[Any, str]:
     """Start a fork server for this process (it exits when this process does); returns the
     ``Popen`` and the socket path — put it in ``$CKPTFLOW_FORKSERVER`` for the callers.
-    ``preload``: the modules it imports (the lifecycle's by default; add those that
-    :func:`register` jobs)."""
+    ``preload``: the modules it imports (the lifecycle's by default)."""
     import subprocess
 
     path = new_socket_path()
@@ -385,6 +336,9 @@ def serve(path: str, *, parent: int | None = None, preload: tuple[str, ...] = PR
             import_module(name)
         import threading
 
+        if "prefect" in sys.modules:  # its client and log/event workers must not be forked
+            print(f"ckptflow forkserver: a preload imported Prefect ({preload}); not serving", file=sys.stderr)
+            return 2
         # A fork copies only the forking thread: a lock another thread held stays locked in
         # every child. The preloads must start none (Prefect's, for one, start on first use).
         others = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
@@ -437,16 +391,11 @@ def _child(conn: socket.socket) -> int:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
     conn.settimeout(None)
-    # The header byte carries the caller's fds 0-2 when it is attached (run_attached).
-    header, stdio, _, _ = socket.recv_fds(conn, 1, 3)
     f = conn.makefile("rwb")
     line = f.readline()
-    if stdio:  # attached: the job's output is the caller's
-        log = ""
-        fds = stdio
-    else:  # the check's output goes to its own file (the caller reads the tail if the child dies)
-        fd, log = tempfile.mkstemp(prefix="ckptflow-forkjob-", suffix=".log")
-        fds = [os.open(os.devnull, os.O_RDONLY), fd, fd]
+    # The check's output goes to its own file (the caller reads the tail if the child dies).
+    fd, log = tempfile.mkstemp(prefix="ckptflow-forkjob-", suffix=".log")
+    fds = [os.open(os.devnull, os.O_RDONLY), fd, fd]
     f.write(json.dumps({"pid": os.getpid(), "log": log}).encode() + b"\n")
     f.flush()
     sys.stdout.flush()
@@ -457,14 +406,7 @@ def _child(conn: socket.socket) -> int:
         if fd > 2:
             os.close(fd)
     _die_with_caller(conn)
-    if stdio:
-        # A whole program: at its end it does what an interpreter exit does (below); the
-        # server's own at-exit hooks are not its to run (they would be a fresh process's only
-        # if it had imported those modules itself, and may clean up what the server still uses).
-        atexit._clear()
     try:
-        if header not in (b"S", b"-"):
-            raise ValueError(f"bad request: header byte {header!r} (a client of another ckptflow version?)")
         req = json.loads(line)
         name = str(req.get("job"))
         job = JOBS.get(name)
@@ -476,26 +418,11 @@ def _child(conn: socket.socket) -> int:
         tb = traceback.format_exc()
         print(tb, file=sys.stderr, flush=True)
         out = {"error": tb[-4000:], "exc_type": f"{type(e).__module__}:{type(e).__qualname__}", "message": str(e)}
-    if stdio:
-        _exit_hooks()
     sys.stdout.flush()
     sys.stderr.flush()
     f.write(json.dumps(out).encode() + b"\n")
     f.flush()
     return 0
-
-
-def _exit_hooks() -> None:
-    """What a normal interpreter exit runs and ``os._exit`` skips: threading's shutdown (it
-    joins non-daemon threads and runs their at-exit hooks: Prefect drains its queued logs and
-    events to the server there), then :mod:`atexit`'s."""
-    import threading
-
-    try:
-        threading._shutdown()  # type: ignore[attr-defined]
-    except Exception:  # noqa: BLE001 - a hook that fails must not lose the answer
-        traceback.print_exc()
-    atexit._run_exitfuncs()
 
 
 def _die_with_caller(conn: socket.socket) -> None:
@@ -545,16 +472,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ckptflow.tasks.forkserver", description=__doc__.split("\n\n")[0])
     p.add_argument("--socket", required=True)
     p.add_argument("--parent", type=int, default=None, help="exit when this process is gone")
-    p.add_argument(
-        "--preload", default=",".join(PRELOAD), help="the modules to import, comma-separated (some may register jobs)"
-    )
+    p.add_argument("--preload", default=",".join(PRELOAD), help="the modules to import, comma-separated")
     a = p.parse_args(argv)
     return serve(a.socket, parent=a.parent, preload=tuple(m for m in a.preload.split(",") if m))
 
 
 if __name__ == "__main__":
-    # Serve from the module under its import name: jobs that modules register (``register``)
-    # go into ckptflow.tasks.forkserver's JOBS, which would not be this ``__main__``'s.
-    from ckptflow.tasks import forkserver as _named
-
-    sys.exit(_named.main())
+    sys.exit(main())

@@ -361,8 +361,8 @@ class CheckpointManager:
         if not force and not due:
             return False
         # The previous save first (submit would wait for it anyway): its commit thread runs
-        # collectives on the checkpoint group, and so do the interval agreement and the probe
-        # agreement below — one thread at a time on that group. A failed previous save is
+        # collectives on the checkpoint group, and so does the interval agreement below — one
+        # thread at a time on that group. A failed previous save is
         # reported here and this one still starts.
         self.wait()
         if auto is not None:

@@ -23,9 +23,8 @@ result is ``torch.save``'s own container, a valid zip (every CRC right), read by
 save (tests/integration/test_fastwrite.py checks both).
 
 Each file's xxh3 is computed from the same buffers as they are written, so the commit thread
-takes the digest from here instead of reading the file back (``AsyncSaver._gather_entries``;
-in PROCESS mode this object lives in DCP's daemon process, and the commit thread hashes the
-files itself as before). Anything the template path does not cover — a tensor subclass, a
+takes the digest from here instead of reading the file back (``AsyncSaver._gather_entries``).
+Anything the template path does not cover — a tensor subclass, a
 tensor with Python attributes or hooks, a stream transform extension — is written by
 ``torch.save`` exactly as DCP would, through the same hashing stream.
 """
@@ -47,7 +46,8 @@ from typing import IO, Any, cast
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemWriter, SerializationFormat, _StorageInfo
-from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
@@ -82,7 +82,7 @@ class _Template:
 _templates: OrderedDict[tuple, _Template | None] = OrderedDict()
 _lock = threading.Lock()
 _count_lock = threading.Lock()
-"""Module-level, not on the writer: in PROCESS mode DCP pickles the writer into its daemon."""
+"""Module-level, not on the writer: one cache for every save of the process."""
 
 
 def _layout(t: torch.Tensor) -> tuple | None:
@@ -209,6 +209,27 @@ class HashingWriter(FileSystemWriter):
         self.digests: dict[str, FileDigest] = {}
         self.items_templated = 0
         self.items_saved = 0
+        self._written: set[str] = set()
+        self._all_written: set[str] | None = None
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
+        fut = super().write_data(plan, planner)
+        self._written.update(_paths(fut.wait()))  # written synchronously: already done
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        self._all_written = {p for rs in results for p in _paths(rs)}  # the coordinator's: every rank's
+        super().finish(metadata, results)
+
+    def referenced(self, metadata: Metadata) -> set[str]:
+        """Every data file ``metadata`` (what ``dcp.save`` returned) references: from its
+        ``storage_data``, or where that is missing from the write results this writer saw —
+        the coordinator's (every rank's, at ``finish``), another rank's own. torch 2.11's
+        ``FileSystemWriter.finish`` fills ``storage_data`` into a copy of the metadata, so
+        ``dcp.save`` returns it without."""
+        if metadata.storage_data is not None:
+            return {sd.relative_path for sd in metadata.storage_data.values()}
+        return set(self._all_written if self._all_written is not None else self._written)
 
     def _write_data(self, planner: SavePlanner, file_queue: queue.Queue) -> Future:
         if self.transforms.extensions or self.serialization_format != SerializationFormat.TORCH_SAVE:
@@ -287,6 +308,10 @@ def _nbytes(wi: WriteItem) -> int:
     """A tensor item's data bytes, from its plan (byte items are small: 0)."""
     td = wi.tensor_data
     return 0 if td is None else math.prod(td.chunk.sizes) * td.properties.dtype.itemsize
+
+
+def _paths(results: list[WriteResult]) -> set[str]:
+    return {r.storage_data.relative_path for r in results}
 
 
 def _result(wi: WriteItem, storage_key: str, offset: int, length: int) -> WriteResult:

@@ -5,7 +5,7 @@ storage), so the bytes are copied into memory that exists. What it repeats at ev
 deep copy around them: per tensor a ``new_empty`` and a ``set_`` (for a ``DTensor`` both go
 through DTensor's dispatcher), per container a copy. Measured on the small reference model (300
 tensors, 83 MB per rank, FSDP2): the staging thread took ~70 ms of CPU per save, of which the
-copies were 16 ms (docs/benchmarks.md, "Direct writes, restaging by copies, plans not rebuilt").
+copies were 16 ms (docs/benchmarks.md, "Trainer").
 
 So after a save staged by DCP, this stager pairs every tensor of the live state with its staged
 twin (same path in both trees) and records the layout: the tree's shape, every tensor's type,

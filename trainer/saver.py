@@ -128,7 +128,6 @@ class _FaultingWriter(HashingWriter):
     def write_data(self, plan, planner):  # noqa: ANN001 - DCP's signature
         faults.maybe_crash("write", self.step)
         fut = super().write_data(plan, planner)
-        fut.wait()  # FileSystemWriter writes synchronously: already done
         faults.maybe_crash("shards", self.step)
         return fut
 
@@ -207,11 +206,6 @@ def drop_cached_plans(cache_key: str) -> None:
     for name in _PLAN_CACHES:
         getattr(SavePlanner, name, {}).pop(cache_key, None)
     _LOCAL_LAYOUTS.pop(cache_key, None)
-
-
-def files_of(metadata: Any) -> set[str]:
-    """Every data file a DCP checkpoint's metadata references (``.metadata`` not included)."""
-    return {sd.relative_path for sd in metadata.storage_data.values()}
 
 
 def my_files(all_files: set[str], rank: int, world: int) -> list[str]:
@@ -473,7 +467,7 @@ class AsyncSaver:
         err: BaseException | None = None
         referenced: set[str] = set()
         try:
-            referenced = files_of(upload.result())
+            referenced = writer.referenced(upload.result())
         except BaseException as e:  # DCP's CheckpointException derives from BaseException
             err = e
         timing.persisted_s = time.perf_counter() - t0

@@ -56,23 +56,15 @@ def worker(
     if config is not None:
         env["CKPTFLOW_CONFIG"] = str(Path(config).resolve())
     limit = str(cfg.prefect.flow_concurrency)
-    if cfg.prefect.forkserver and cfg.prefect.fork_flow_runs:
-        # Flow runs fork from one warm process (flows/forkrun.py) instead of each importing
-        # Prefect's engine and our flows afresh; on a general worker the lifecycle's stages and
-        # checks fork from it too (torch, DCP, Great Expectations, boto3, s3fs preloaded). A node
-        # queue's flows (a node's part: stage on warm, prune hot) need only the flows' imports.
-        # This process is replaced by the worker below (same PID: the server exits when it does).
-        from ckptflow.flows import forkrun
-        from ckptflow.tasks.forkserver import PRELOAD, enable
-
-        if enable(env, preload=PRELOAD + forkrun.PRELOAD if general else forkrun.NODE_PRELOAD):
-            # Prefect's process worker, but a flow run is a child of the fork server (flows/worker.py).
-            cmd = ["-m", "ckptflow.flows.worker", "--pool", pool, "--work-queue", queue, "--limit", limit]
-            os.execve(sys.executable, [sys.executable, *cmd], env)
-    elif general and cfg.prefect.forkserver:  # the stages and checks only
+    if general and cfg.prefect.forkserver:
+        # The lifecycle's stages and checks fork from one warm process (torch, DCP, Great
+        # Expectations, boto3, s3fs imported once); Prefect's flow-run processes start as Prefect
+        # starts them. A node queue's flows (stage a part on warm, prune hot) need none of it.
         from ckptflow.tasks.forkserver import enable
 
         enable(env)
+    # Prefect's own process worker replaces this process (same PID: the fork server, started
+    # with this PID as its parent, exits when the worker does).
     cmd = ["-m", "prefect", "worker", "start", "--pool", pool, "--work-queue", queue, "--type", "process"]
     os.execve(sys.executable, [sys.executable, *cmd, "--limit", limit], env)
 

@@ -89,7 +89,7 @@ def test_credentials_in_the_file_are_refused_with_a_hint(tmp_path):
         ('[hot]\nurl = "h"\n[warm]\nurl = "h"\n', "share one url"),
         ('[warm]\nurl = "w"\n', "missing section [hot]"),
         ('[hot\nurl = "h"\n', "not valid TOML"),
-        ('[hot]\nurl = "h"\n[prefect]\nfork_flow_runs = "yes"\n', "prefect.fork_flow_runs"),
+        ('[hot]\nurl = "h"\n[prefect]\nforkserver = "yes"\n', "prefect.forkserver"),
     ],
 )
 def test_invalid_values_name_field_value_and_file(tmp_path, text, needle):
