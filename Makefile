@@ -4,9 +4,9 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-fast lint typecheck check bench clean
+.PHONY: setup demo test test-fast test-torch lint typecheck check bench clean
 
-$(BIN)/ckptflow: pyproject.toml constraints.txt trainer/_memcopy.c $(wildcard trainer/_xxhash/*)
+$(BIN)/ckptflow: pyproject.toml constraints.txt csrc/_memcopy.c $(wildcard third_party/xxhash/*)
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch first, pinned: the local CPU build. A looser spec pulls a multi-GB CUDA build.
@@ -33,6 +33,25 @@ test: setup
 test-fast: setup
 	$(BIN)/python -m pytest -q tests/unit
 
+# The supported torch window (pyproject: 2.11-2.14) beyond the pinned build the suite runs on:
+# `make test-torch TORCH=2.11.0` installs that release from the registry (a CUDA build; it runs
+# on CPU) into its own venv and runs the trainer's core tests against it: save, kill and exact
+# resume, resume at another world size, plain DCP and torch.save reading every checkpoint.
+TORCH ?= 2.14.1
+TORCH_VENV := .venv-torch$(TORCH)
+TORCH_TESTS := tests/unit tests/integration/test_exact_resume.py tests/integration/test_any_loop.py \
+	tests/integration/test_snapshot.py tests/integration/test_fastwrite.py tests/integration/test_fastload.py \
+	tests/integration/test_commit_crash.py
+
+test-torch:
+	test -x $(TORCH_VENV)/bin/python || $(PY) -m venv $(TORCH_VENV)
+	$(TORCH_VENV)/bin/pip install -q --upgrade pip
+	$(TORCH_VENV)/bin/pip install -q torch==$(TORCH)
+	grep -v '^torch==' constraints.txt > $(TORCH_VENV)/constraints.txt
+	$(TORCH_VENV)/bin/pip install -q -c $(TORCH_VENV)/constraints.txt -e '.[test]'
+	$(TORCH_VENV)/bin/python -c 'import torch; assert torch.__version__.split("+")[0] == "$(TORCH)", torch.__version__'
+	$(TORCH_VENV)/bin/python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider $(TORCH_TESTS)
+
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -50,4 +69,4 @@ bench: setup
 	$(BIN)/python -m benchmarks.bench_event_latency
 
 clean:
-	rm -rf $(VENV) .ckptflow .pytest_cache build
+	rm -rf $(VENV) .venv-torch* .ckptflow .pytest_cache build

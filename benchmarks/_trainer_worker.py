@@ -42,14 +42,15 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from ckptflow.trainer import layout
-from ckptflow.trainer.checkpointer import CheckpointConfig, CheckpointManager, Provenance, SanitySpec
+from ckptflow.trainer.checkpointer import CheckpointManager
+from ckptflow.trainer.config import CheckpointConfig, Provenance, SanitySpec
 from ckptflow.trainer.distenv import DistEnv, exit_process, init_distributed, shutdown
 from ckptflow.trainer.loader import load_verified
 from ckptflow.trainer.manifest import read_manifest
 from ckptflow.trainer.reference.build import BUILDER, Built, TrainConfig, build
 from ckptflow.trainer.reference.data import GlobalSampler
 from ckptflow.trainer.reference.model import ModelConfig, lm_loss
-from ckptflow.trainer.state import build_save_state, rank_state, reseed_rng, shared_state
+from ckptflow.trainer.state import TrainState, build_save_state, rank_state, reseed_rng, shared_state
 from ckptflow.trainer.verify import share_of_files, verify_checkpoint
 
 MODES_ORDER = ("async_staging", "sync")
@@ -488,9 +489,8 @@ def bench_load(b: Built, runner: StepRunner, env: DistEnv, ckpt_dir: str, reps: 
         barrier()
 
     def load() -> None:
-        load_verified(
-            ckpt_dir, m, env=env, model=b.model, optimizer=b.optimizer, scheduler=b.scheduler, sampler=runner.sampler
-        )
+        state = TrainState(b.model, b.optimizer, b.scheduler, sampler=runner.sampler)
+        load_verified(ckpt_dir, m, env=env, state=state)
 
     def verify() -> None:
         verify_checkpoint(ckpt_dir, only=share).raise_if_bad()

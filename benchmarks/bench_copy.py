@@ -6,7 +6,7 @@ A file of ``--mb`` random bytes is written, mapped (its pages mapped in first, a
 streamer does) and, on 1, 2 and 4 threads, each 1 MiB block is: hashed only (the block digest,
 xxh3-64); copied only into memory the size of the file (touched first, as a model's is); hashed
 then copied, the load's own order. Each copy once with ``memmove`` (glibc, through ctypes) and
-once with ``memcopy.copy`` (streaming stores, ``trainer/_memcopy.c``). For reference, a one-thread
+once with ``memcopy.copy`` (streaming stores, ``csrc/_memcopy.c``). For reference, a one-thread
 ``readinto`` of the file into an 8 MiB buffer plus the file's xxh3-128: bench_load's "verified
 raw read". Medians, in one run, alternating.
 """

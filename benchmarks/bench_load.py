@@ -183,6 +183,7 @@ def run(one: str, two: str, model: str, reps: int) -> dict:
     from ckptflow.trainer.reader import THREADS
     from ckptflow.trainer.reference.build import TrainConfig, build
     from ckptflow.trainer.reference.model import ModelConfig
+    from ckptflow.trainer.state import TrainState
     from ckptflow.trainer.verify import verify_checkpoint
 
     env = init_distributed()
@@ -208,11 +209,11 @@ def run(one: str, two: str, model: str, reps: int) -> dict:
         t.setdefault(key, []).append(time.perf_counter() - t0)
 
     def ours(path: str, m) -> None:  # noqa: ANN001
-        load_verified(path, m, env=env, model=b.model, optimizer=b.optimizer, scheduler=b.scheduler)
+        load_verified(path, m, env=env, state=TrainState(b.model, b.optimizer, b.scheduler))
 
     def dcp_path() -> None:
         verify_checkpoint(one).raise_if_bad()
-        target = load_target(m1, env=env, model=b.model, optimizer=b.optimizer, scheduler=b.scheduler)
+        target = load_target(m1, env=env, state=TrainState(b.model, b.optimizer, b.scheduler))
         target.pop("ranks", None)  # sized from the metadata only by our reader; the rest is what DCP reads
         dcp.load(target, checkpoint_id=one, process_group=env.ckpt_group)
 
@@ -221,7 +222,7 @@ def run(one: str, two: str, model: str, reps: int) -> dict:
         quiesce()
         raw_read(files)  # warm
         t0 = time.perf_counter()
-        load_verified(one, m1, env=env, model=nb.model, optimizer=nb.optimizer, scheduler=nb.scheduler)
+        load_verified(one, m1, env=env, state=TrainState(nb.model, nb.optimizer, nb.scheduler))
         t.setdefault("first_warm", []).append(time.perf_counter() - t0)
 
     for _ in range(reps):
@@ -244,7 +245,7 @@ def run(one: str, two: str, model: str, reps: int) -> dict:
         "seconds": t,
         "MBps": mbs,
         "resident_before_cold": residents,
-        "copy": "streaming stores" if memcopy.STREAMING else "memmove (trainer/_memcopy.c not built)",
+        "copy": "streaming stores" if memcopy.STREAMING else "memmove (csrc/_memcopy.c not built or off)",
     }
 
 

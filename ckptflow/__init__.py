@@ -25,7 +25,8 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ckptflow.trainer.checkpointer import CheckpointConfig, CheckpointManager, Provenance, SanitySpec
+    from ckptflow.trainer.checkpointer import CheckpointManager
+    from ckptflow.trainer.config import CheckpointConfig, Provenance, SanitySpec
     from ckptflow.trainer.errors import (
         CheckpointNotFoundError,
         CkptflowError,
@@ -38,10 +39,10 @@ if TYPE_CHECKING:  # pragma: no cover
     )
 
 _LAZY = {
-    "CheckpointConfig": "ckptflow.trainer.checkpointer",
+    "CheckpointConfig": "ckptflow.trainer.config",
     "CheckpointManager": "ckptflow.trainer.checkpointer",
-    "Provenance": "ckptflow.trainer.checkpointer",
-    "SanitySpec": "ckptflow.trainer.checkpointer",
+    "Provenance": "ckptflow.trainer.config",
+    "SanitySpec": "ckptflow.trainer.config",
     "CheckpointNotFoundError": "ckptflow.trainer.errors",
     "CkptflowError": "ckptflow.trainer.errors",
     "ConfigError": "ckptflow.trainer.errors",

@@ -20,6 +20,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from ckptflow.flows.alerts import notify_on_failure
 from ckptflow.flows.emit import artifact_key, emit
+from ckptflow.flows.secrets import export_manifest_key
 from ckptflow.tasks.config import CkptflowConfig, load_config
 from ckptflow.tasks.drill import append_history, drill_one, pick_steps, read_history
 from ckptflow.tasks.report import drill_markdown, plot_drill, read_metrics
@@ -77,6 +78,7 @@ def restore_drill(
     seed: int | None = None,
 ) -> dict[str, Any]:
     """Restore cold checkpoints into scratch and prove them; fail the run if any does not."""
+    export_manifest_key()
     cfg = load_config(config)
     tier = drill_tier(cfg)
     history_dir = history_dir or default_history_dir(cfg)

@@ -21,6 +21,7 @@ from prefect.cache_policies import NO_CACHE
 
 from ckptflow.flows.emit import artifact_key, emit
 from ckptflow.flows.limits import machine_slot
+from ckptflow.flows.secrets import export_manifest_key
 from ckptflow.tasks.checkpoint import CheckpointRef
 from ckptflow.tasks.config import load_config
 from ckptflow.tasks.heartbeat import Heartbeat, LifecycleBusy
@@ -80,6 +81,7 @@ def lifecycle(
     ``nodes`` (comma-separated ids); each node's part runs on that node's queue
     (``flows/nodes.py``) and the records live on warm.
     """
+    export_manifest_key()
     if scope == "node":
         from ckptflow.flows.nodes import NODE_STAGES
 

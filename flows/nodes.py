@@ -30,6 +30,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
+from ckptflow.flows.secrets import export_manifest_key
 from ckptflow.tasks.checkpoint import CheckpointRef
 from ckptflow.tasks.config import load_config
 from ckptflow.tasks.stages import ARCHIVE, Done, Stage, fault_hook
@@ -85,6 +86,7 @@ def node_part(
     run_id: str, step: int, node: str, action: str = "stage", take: list[str] | None = None, config: str | None = None
 ) -> dict[str, Any]:
     """One node's part of a checkpoint's lifecycle, on that node (``action``: stage or prune)."""
+    export_manifest_key()
     from ckptflow.trainer.topology import node_id
 
     cfg = load_config(config)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from prefect import flow, get_run_logger
 
 from ckptflow.flows.lifecycle import lifecycle, run_name_prefix, run_stage_task
+from ckptflow.flows.secrets import export_manifest_key
 from ckptflow.tasks.checkpoint import CheckpointRef, with_hot_root
 from ckptflow.tasks.config import CkptflowConfig, load_config
 from ckptflow.tasks.heartbeat import heartbeat_alive, read_heartbeat
@@ -212,6 +213,7 @@ def reconcile(
     run is a missed one, and the heartbeat lock already lets only one lifecycle work on a
     checkpoint; a grace only saves the redundant start when reconcile races a live event.
     """
+    export_manifest_key()
     log = get_run_logger()
     base = load_config(config)
     cfg = with_hot_root(base, os.path.abspath(root)) if root else base

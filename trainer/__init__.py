@@ -30,18 +30,24 @@ from ckptflow.trainer.errors import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ckptflow.trainer.checkpointer import CheckpointConfig, CheckpointManager, Provenance, SanitySpec
+    from ckptflow.trainer.checkpointer import CheckpointManager
+    from ckptflow.trainer.config import CheckpointConfig, Provenance, SanitySpec
 
-_LAZY = {"CheckpointConfig", "CheckpointManager", "Provenance", "SanitySpec"}
+_LAZY = {
+    "CheckpointConfig": "config",
+    "CheckpointManager": "checkpointer",
+    "Provenance": "config",
+    "SanitySpec": "config",
+}
 
 
 def __getattr__(name: str):
     # Lazy: the CLI and the lifecycle import trainer.* modules without paying for
     # torch.distributed.checkpoint (~8 s cold) unless they need the manager.
     if name in _LAZY:
-        from ckptflow.trainer import checkpointer
+        from importlib import import_module
 
-        return getattr(checkpointer, name)
+        return getattr(import_module(f"ckptflow.trainer.{_LAZY[name]}"), name)
     raise AttributeError(name)
 
 

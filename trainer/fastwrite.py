@@ -45,7 +45,7 @@ from typing import IO, Any, cast
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystemWriter, SerializationFormat, _StorageInfo
+from torch.distributed.checkpoint.filesystem import FileSystemWriter, SerializationFormat
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
@@ -53,6 +53,7 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from ckptflow.trainer import zipfmt
+from ckptflow.trainer._torch_private import _StorageInfo, local_tensor
 from ckptflow.trainer.checksum import FileDigest, block_size_for
 from ckptflow.trainer.directio import DirectFile
 
@@ -296,7 +297,7 @@ def _resolver(planner: SavePlanner) -> Callable[[WriteItem], torch.Tensor]:
     def resolve(wi: WriteItem) -> torch.Tensor:
         obj = flat.get(wi.index.fqn)
         if isinstance(obj, DTensor) and not any(p.is_partial() for p in obj.placements):
-            local = getattr(obj, "_local_tensor", None)
+            local = local_tensor(obj)
             if type(local) is torch.Tensor:
                 return local
         return cast(torch.Tensor, planner.resolve_data(wi))

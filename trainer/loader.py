@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 
 from ckptflow.trainer.distenv import DistEnv
-from ckptflow.trainer.dsd import StateDicts
 from ckptflow.trainer.errors import ConfigError, IntegrityError
 from ckptflow.trainer.manifest import Manifest
 from ckptflow.trainer.safetree import decode
@@ -23,6 +22,7 @@ from ckptflow.trainer.state import (
     RANKS,
     RNG_TAG,
     TRAIN_TAG,
+    TrainState,
     apply_loaded_state,
     buffer_keys,
     build_load_target,
@@ -46,22 +46,10 @@ WHY_BYTES = 2048
 """How much of a failed rank's error the other ranks get (its own log has all of it)."""
 
 
-def load_target(
-    manifest: Manifest,
-    *,
-    env: DistEnv,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    scheduler: Any = None,
-    scaler: Any = None,
-    sampler: Any = None,
-    extra: Any = None,
-    metadata: Any = None,
-    states: StateDicts | None = None,
-) -> dict[str, Any]:
+def load_target(manifest: Manifest, *, env: DistEnv, state: TrainState, metadata: Any = None) -> dict[str, Any]:
     """The state dict ``dcp.load`` fills for this rank (its structure decides what is read).
-    ``metadata``: DCP's (parsed by the restricted reader), for the sizes of the per-rank entries.
-    ``states``: kept for ``apply_loaded_state`` of the same load (``trainer/dsd.py``)."""
+    ``metadata``: DCP's (parsed by the restricted reader), for the sizes of the per-rank entries."""
+    model, optimizer = state.model, state.optimizer
     if optimizer is not None:
         prefill_optimizer_state(model, optimizer, metadata)
     sizes = {}
@@ -76,9 +64,8 @@ def load_target(
         world=env.world_size,
         saved_ranks=int(manifest.state.get("rng_ranks", 0)),
         layout=int(manifest.state.get("layout", 1)),
-        train=train_state(0, scheduler=scheduler, scaler=scaler, sampler=sampler, extra=extra),
+        train=train_state(0, scheduler=state.scheduler, scaler=state.scaler, sampler=state.sampler, extra=state.extra),
         entry_bytes=sizes,
-        states=states,
     )
 
 
@@ -98,17 +85,7 @@ def files_read(step_dir: str, target: dict[str, Any], metadata: Any = None) -> s
 
 
 def load_verified(
-    path: str,
-    manifest: Manifest,
-    *,
-    env: DistEnv,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    scheduler: Any = None,
-    scaler: Any = None,
-    sampler: Any = None,
-    extra: Any = None,
-    reshard_state: Reshard | None = None,
+    path: str, manifest: Manifest, *, env: DistEnv, state: TrainState, reshard_state: Reshard | None = None
 ) -> dict[str, Any]:
     """``dcp.load`` the checkpoint in ``path`` — its manifest authenticated, its files not yet read.
 
@@ -118,6 +95,8 @@ def load_verified(
     (:func:`load_local` agrees on the outcome), so the caller can fall back together. DCP reshards to
     the current world size. Returns the loaded ``train`` dict.
     """
+    model, optimizer, scheduler, scaler = state.model, state.optimizer, state.scheduler, state.scaler
+    sampler, extra = state.sampler, state.extra
     from ckptflow.trainer.reader import SafeLoadPlanner, VerifiedReader
 
     # At the saving world size a rank reads mostly the files it wrote: their digests start while
@@ -133,24 +112,12 @@ def load_verified(
     gc_was = gc.isenabled()
     gc.disable()
     layout1 = int(manifest.state.get("layout", 1)) == 1
-    states = StateDicts(model, optimizer) if optimizer is not None and not layout1 else None
     try:
         try:
             md = reader.read_metadata()
         except IntegrityError:
             md = None  # every rank reads the same file; the load below fails the same way on all of them
-        target = load_target(
-            manifest,
-            env=env,
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            scaler=scaler,
-            sampler=sampler,
-            extra=extra,
-            metadata=md,
-            states=states,
-        )
+        target = load_target(manifest, env=env, state=state, metadata=md)
         failed = load_local(target, reader, SafeLoadPlanner(), env)
         if failed is not None:
             raise IntegrityError(
@@ -185,16 +152,16 @@ def load_verified(
         for k in buffer_keys(model, target["model"]):
             if k in own["buffers"] and isinstance(target["model"][k], torch.Tensor):
                 target["model"][k] = own["buffers"][k]
-    apply_loaded_state(target, model=model, optimizer=optimizer, states=states)
+    apply_loaded_state(target, model=model, optimizer=optimizer)
     tr = own if own is not None else per.get(0) or {}  # scheduler, scaler: the same on every rank
     for obj, key in ((scheduler, "scheduler"), (scaler, "scaler")):
         if obj is not None and tr.get(key) is not None:
             obj.load_state_dict(tr[key])
     for obj, key in ((sampler, "sampler"), (extra, "extra")):
         if obj is not None:
-            state = _rank_part(key, per, own, saved, env, reshard_state)
-            if state is not None:
-                obj.load_state_dict(state)
+            part = _rank_part(key, per, own, saved, env, reshard_state)
+            if part is not None:
+                obj.load_state_dict(part)
     if own is not None:
         restore_rng(own["rng"])
     else:

@@ -203,44 +203,20 @@ def _blocks(name: str, size: int, entry: dict[str, Any]) -> tuple[int, str]:
 
 
 def signing_key() -> bytes | None:
-    """The HMAC key, if one is configured: ``CKPTFLOW_MANIFEST_KEY``, else the Prefect Secret
-    block ``CKPTFLOW_MANIFEST_KEY_BLOCK`` names.
+    """The HMAC key, if one is configured: ``CKPTFLOW_MANIFEST_KEY``.
 
-    The block is read only in a process that has already imported prefect (flows, their
-    workers): the training hot path never imports it and reads the variable alone. The
-    value is then exported as ``CKPTFLOW_MANIFEST_KEY`` so later reads are a dictionary
-    lookup and child processes (the sanity step, a drill's torchrun) inherit it. A block
-    named but not readable here fails closed: silently skipping authentication would
-    accept exactly the manifests signing exists to refuse.
+    A deployment may name a Prefect Secret block in ``CKPTFLOW_MANIFEST_KEY_BLOCK`` instead:
+    the flows load it when they start and export the variable (``flows/secrets.py``); the
+    trainer never imports Prefect. A block named where nothing exported its key fails closed:
+    silently skipping authentication would accept exactly the manifests signing exists to refuse.
     """
     k = os.environ.get(KEY_ENV)
     if not k and os.environ.get(KEY_BLOCK_ENV):
-        k = _key_from_block(os.environ[KEY_BLOCK_ENV])
-    return k.encode() if k else None
-
-
-def _key_from_block(name: str) -> str:
-    import sys
-
-    if "prefect" not in sys.modules:
         raise ConfigError(
-            f"{KEY_BLOCK_ENV}={name!r} names a Prefect Secret block, which is read only "
-            f"inside Prefect flows; this process must get the key itself: set {KEY_ENV}"
+            f"{KEY_BLOCK_ENV}={os.environ[KEY_BLOCK_ENV]!r} names a Prefect Secret block, which only "
+            f"the flows read; this process must get the key itself: set {KEY_ENV}"
         )
-    try:
-        from prefect.blocks.system import Secret
-
-        # async_dispatch pops the _sync kwarg its stub does not declare, and types the result as X | Coroutine
-        value = Secret.load(name, _sync=True).value.get_secret_value()  # type: ignore[call-arg, union-attr]
-    except Exception as e:  # the block's value never appears in the message
-        raise ConfigError(
-            f"{KEY_BLOCK_ENV}: cannot read the Prefect Secret block {name!r} "
-            f"({type(e).__name__}); create it, or set {KEY_ENV}"
-        ) from None
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"{KEY_BLOCK_ENV}: the Secret block {name!r} must hold a non-empty string")
-    os.environ[KEY_ENV] = value
-    return value
+    return k.encode() if k else None
 
 
 def _canonical(body: dict[str, Any]) -> bytes:

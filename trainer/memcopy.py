@@ -12,8 +12,9 @@ Measured here (AMD EPYC, 2 cores; docs/benchmarks.md, "Streaming stores"): one t
 13-14 GB/s with ``memmove`` and 19-20 GB/s with streaming stores; hash then copy of 1 MiB blocks
 of an 835 MB file on 2 threads, the load's own pattern, 58 -> 47 ms.
 
-The copy is the C extension ``_memcopy`` (``trainer/_memcopy.c``, built at install; optional).
-Where it is missing — built without a C compiler, another CPU — :func:`copy` is ``memmove``.
+The copy is the C extension ``_memcopy`` (``csrc/_memcopy.c`` with the vendored xxHash in
+``third_party/xxhash``, built at install; optional). Where it is missing — built without a C
+compiler, another CPU — or ``CKPTFLOW_NO_ACCEL=1`` turns it off, :func:`copy` is ``memmove``.
 Both run without the GIL.
 
 :func:`verify_copy` is the load's inner loop in the same extension: a run of blocks hashed, each
@@ -25,15 +26,18 @@ time).
 from __future__ import annotations
 
 import ctypes
+import os
 from array import array
 from typing import Any
 
-try:
-    import ckptflow.trainer._memcopy as _ext
+_memcopy: Any = None
+if os.environ.get("CKPTFLOW_NO_ACCEL", "") in ("", "0"):
+    try:
+        from importlib import import_module
 
-    _memcopy: Any = _ext
-except ImportError:  # not built: the install found no C compiler
-    _memcopy = None
+        _memcopy = import_module("ckptflow.trainer._memcopy")
+    except ImportError:  # not built: the install found no C compiler
+        pass
 
 STREAMING = bool(_memcopy is not None and _memcopy.STREAMING)
 """Whether :func:`copy` uses streaming stores here (the extension is built, the CPU is x86-64)."""

@@ -56,19 +56,23 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
-from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed._shard.sharded_tensor import ShardedTensor
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
-from torch.distributed.checkpoint.planner_helpers import _create_chunk_list, _create_read_items
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from ckptflow.trainer import layout, memcopy
+from ckptflow.trainer._torch_private import (
+    ShardedTensor,
+    _create_chunk_list,
+    _create_read_items,
+    flatten_state_dict,
+    local_tensor,
+    narrow_tensor_by_index,
+    set_element,
+)
 from ckptflow.trainer.dcpmeta import MAX_METADATA_BYTES, loads_dcp_metadata
 from ckptflow.trainer.errors import IntegrityError
 from ckptflow.trainer.manifest import FileEntry, Manifest
@@ -515,7 +519,7 @@ class _Targets:
         idx = req.dest_index
         obj = self._state.get(idx.fqn)
         if type(obj) is DTensor and not any(p.is_partial() for p in obj.placements):  # (DCP refuses those)
-            obj = obj._local_tensor
+            obj = local_tensor(obj)
         if type(obj) is not torch.Tensor or (idx.offset is not None and any(idx.offset)):
             return None
         return obj

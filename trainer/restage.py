@@ -26,12 +26,9 @@ from collections import OrderedDict
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+from torch.distributed.tensor import DTensor
 
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - torch without DTensor
-    DTensor = ()  # type: ignore[assignment,misc]
+from ckptflow.trainer._torch_private import StateDictStager, local_tensor
 
 _DICTS = (dict, OrderedDict)
 _SCALARS = (bool, int, float, str, bytes)
@@ -42,7 +39,7 @@ class _NotReusable(Exception):
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return local_tensor(t) if isinstance(t, DTensor) else t
 
 
 def _tensor_layout(t: torch.Tensor) -> tuple:

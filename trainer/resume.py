@@ -42,9 +42,7 @@ class ResumeReport:
     latest_was: int | None
 
 
-def _verify_together(
-    path: str, rank: int, world: int, group, *, deep: bool = True
-) -> tuple[Manifest | None, list[str]]:
+def verify_together(path: str, rank: int, world: int, group, *, deep: bool = True) -> tuple[Manifest | None, list[str]]:
     """All ranks check one checkpoint and agree on the problems.
 
     ``deep``: each rank hashes its share of the files. Not deep: the manifest is read and
@@ -75,7 +73,7 @@ def find_resume_point(
     run_path: str, *, rank: int = 0, world: int = 1, group=None, deep: bool = True, after: int | None = None
 ) -> ResumeReport:
     """The newest committed checkpoint that checks out (``deep``: every byte hashed; else the
-    cheap checks of :func:`_verify_together`, the load verifying the bytes). ``after``: only
+    cheap checks of :func:`verify_together`, the load verifying the bytes). ``after``: only
     steps older than that (the next candidate after a load that failed)."""
     latest = commit.read_latest(run_path)
     steps = commit.committed_steps(run_path)
@@ -89,7 +87,7 @@ def find_resume_point(
         if commit.is_quarantined(run_path, step):
             skipped.append((path, "quarantined by the lifecycle's verify stage"))
             continue
-        manifest, problems = _verify_together(path, rank, world, group, deep=deep)
+        manifest, problems = verify_together(path, rank, world, group, deep=deep)
         if manifest is None:
             skipped.append((path, "; ".join(problems)))
             continue

@@ -38,7 +38,8 @@ import torch.distributed as dist
 from ckptflow.trainer.distenv import exit_process, init_distributed, shutdown
 from ckptflow.trainer.errors import CkptflowError, ConfigError, IntegrityError
 from ckptflow.trainer.loader import load_verified
-from ckptflow.trainer.resume import _verify_together
+from ckptflow.trainer.resume import verify_together
+from ckptflow.trainer.state import TrainState
 
 BUILDERS_ENV = "CKPTFLOW_SANITY_BUILDERS"
 
@@ -123,7 +124,7 @@ def run(ckpt_dir: str, *, rtol: float = 1e-5, want_stats: bool = False) -> dict[
     env = init_distributed()
     # The cheap checks (manifest, every file present with its size) here; the load verifies
     # every byte as it reads it, before any of it reaches the model.
-    manifest, problems = _verify_together(ckpt_dir, env.rank, env.world_size, env.ckpt_group, deep=False)
+    manifest, problems = verify_together(ckpt_dir, env.rank, env.world_size, env.ckpt_group, deep=False)
     t_verify = time.perf_counter() - t0
     out: dict[str, Any] = {"ckpt": ckpt_dir, "world_size": env.world_size, "ok": False}
     if manifest is None:
@@ -154,15 +155,8 @@ def run(ckpt_dir: str, *, rtol: float = 1e-5, want_stats: bool = False) -> dict[
     t1 = time.perf_counter()
     try:
         # Restores this rank's RNG of the saving run (rank 0's here on rank 0) and the data position.
-        load_verified(
-            ckpt_dir,
-            manifest,
-            env=env,
-            model=built.model,
-            optimizer=built.optimizer,
-            scheduler=built.scheduler,
-            sampler=sampler,
-        )
+        state = TrainState(model=built.model, optimizer=built.optimizer, scheduler=built.scheduler, sampler=sampler)
+        load_verified(ckpt_dir, manifest, env=env, state=state)
     except IntegrityError as e:
         out.update(error="integrity", problems=[str(e)])
         return out

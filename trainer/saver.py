@@ -46,7 +46,16 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from ckptflow.trainer import faults, layout
+from ckptflow.trainer._torch_private import (
+    PLAN_CACHES,
+    cached_local_plan,
+    pending_local_plan,
+    plan_cache_key,
+    set_plan_cache_key,
+    set_state_dict_stager,
+)
 from ckptflow.trainer.checksum import digest_file
+from ckptflow.trainer.config import ASYNC_MODES
 from ckptflow.trainer.errors import SaveError
 from ckptflow.trainer.fastwrite import HashingWriter
 from ckptflow.trainer.manifest import FileEntry, Manifest
@@ -55,7 +64,6 @@ from ckptflow.trainer.topology import Topology, single
 
 log = logging.getLogger(__name__)
 
-ASYNC_MODES = ("async_staging", "sync")
 # How long wait() gives the background thread to drop a save once its outcome is known (its
 # frame only), and close() to stop it.
 _COMMIT_THREAD_EXIT_S = 30.0
@@ -153,7 +161,7 @@ def canonical_planner(cache_key: str | None = None) -> DefaultSavePlanner:
     if cache_key is None:
         return DefaultSavePlanner(dedup_save_to_lowest_rank=True)
     planner = _LayoutCachedPlanner(dedup_save_to_lowest_rank=True, enable_plan_caching=True)
-    planner._cached_plans_key = cache_key
+    set_plan_cache_key(planner, cache_key)
     return planner
 
 
@@ -173,10 +181,10 @@ class _LayoutCachedPlanner(DefaultSavePlanner):
     """
 
     def create_local_plan(self) -> SavePlan:
-        key = self._cached_plans_key
+        key = plan_cache_key(self)
         here = layout_of(self.state_dict)
         seen = (here, self.is_coordinator) if here is not None else None
-        cached = SavePlanner._cached_save_plan.get(key)
+        cached = cached_local_plan(self)
         known = _LOCAL_LAYOUTS.get(key)
         # The cached plan object itself must be the one made from this layout: DCP caches a plan
         # only once its save's global plan succeeded, so after a failed save they can differ.
@@ -184,7 +192,7 @@ class _LayoutCachedPlanner(DefaultSavePlanner):
             self.plan = cached
             return SavePlan([], usable=False)
         out = super().create_local_plan()
-        made = getattr(self, "_pending_local_plan", None) or cached  # new (cached when it succeeds), or equal
+        made = pending_local_plan(self) or cached  # new (cached when it succeeds), or equal
         if seen is None or made is None:
             _LOCAL_LAYOUTS.pop(key, None)
         else:
@@ -192,18 +200,9 @@ class _LayoutCachedPlanner(DefaultSavePlanner):
         return out
 
 
-_PLAN_CACHES = (
-    "_cached_save_plan",
-    "_cached_final_save_plan",
-    "_cached_all_plans",
-    "_cached_global_plan",
-    "_cached_metadata",
-)
-
-
 def drop_cached_plans(cache_key: str) -> None:
     """Forget DCP's cached plans for ``cache_key`` (they live as long as the process otherwise)."""
-    for name in _PLAN_CACHES:
+    for name in PLAN_CACHES:
         getattr(SavePlanner, name, {}).pop(cache_key, None)
     _LOCAL_LAYOUTS.pop(cache_key, None)
 
@@ -255,7 +254,7 @@ class _ReusingStager(DefaultStager):
 
     def __init__(self, options: StagingOptions) -> None:
         super().__init__(options)
-        self._state_dict_stager = ReusingStateDictStager(pin_memory=options.use_pinned_memory, share_memory=False)
+        set_state_dict_stager(self, ReusingStateDictStager(pin_memory=options.use_pinned_memory, share_memory=False))
 
 
 @dataclass

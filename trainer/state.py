@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import copy
 import random
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,8 +37,19 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-if TYPE_CHECKING:
-    from ckptflow.trainer.dsd import StateDicts
+
+@dataclass(frozen=True, eq=False)
+class TrainState:
+    """The live objects a checkpoint saves and a resume restores, as the training loop gave them
+    (compared by identity). ``sampler`` and ``extra``: anything with ``state_dict()`` and
+    ``load_state_dict()``; each rank keeps its own."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: Any = None
+    scaler: Any = None
+    sampler: Any = None
+    extra: Any = None
 
 
 def capture_rng() -> dict[str, Any]:
@@ -152,10 +164,7 @@ def build_save_state(
     because those are not equal across ranks: BatchNorm statistics under FSDP, or under DDP
     until the next forward broadcasts rank 0's.
     """
-    from ckptflow.trainer.dsd import StateDicts
-
-    # DCP's get_state_dict, on the training thread at every save: StateDicts' is the same, faster.
-    model_sd, optim_sd = StateDicts(model, optimizer).get()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
     # Buffers can change in a forward pass, which runs before staging completes.
     buffers = {}
     for name in buffer_keys(model, model_sd):
@@ -177,18 +186,15 @@ def build_load_target(
     layout: int = LAYOUT,
     train: dict[str, Any] | None = None,
     entry_bytes: dict[str, int] | None = None,
-    states: StateDicts | None = None,
 ) -> dict[str, Any]:
     """A state dict of the right structure for ``dcp.load`` to fill in place.
 
     Layout 2: at the saving world size each rank reads its own per-rank entry; at another
     world size every rank reads every saved rank's (to decide what a resharded rank gets).
     ``entry_bytes``: the size of each ``ranks.rank<r>`` entry (from DCP's metadata).
-    ``states``: the load's :class:`~ckptflow.trainer.dsd.StateDicts` (then ``apply_loaded_state``
-    gets it too).
     """
     if optimizer is not None:
-        model_sd, optim_sd = states.get() if states is not None else get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
         target: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     else:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -275,11 +281,8 @@ def apply_loaded_state(
     *,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
-    states: StateDicts | None = None,
 ) -> None:
-    if states is not None:
-        states.set(loaded["model"], loaded["optim"])
-    elif optimizer is not None:
+    if optimizer is not None:
         set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
     else:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict

@@ -20,7 +20,8 @@ SCRIPT = textwrap.dedent("""
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.planner import SavePlanner
     from ckptflow.trainer import layout
-    from ckptflow.trainer.checkpointer import CheckpointConfig, CheckpointManager, Provenance
+    from ckptflow.trainer.config import CheckpointConfig, Provenance
+    from ckptflow.trainer.checkpointer import CheckpointManager
     from ckptflow.trainer.dcpmeta import read_dcp_metadata
     from ckptflow.trainer.distenv import init_distributed
 

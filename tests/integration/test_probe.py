@@ -17,7 +17,8 @@ from tests.helpers import PY, REPO, torchrun_env
 SCRIPT = textwrap.dedent("""
     import json, os, sys
     import torch
-    from ckptflow.trainer.checkpointer import CheckpointConfig, CheckpointManager, Provenance, SanitySpec
+    from ckptflow.trainer.config import CheckpointConfig, Provenance, SanitySpec
+    from ckptflow.trainer.checkpointer import CheckpointManager
     from ckptflow.trainer.distenv import init_distributed, shutdown
     from ckptflow.trainer.reference.build import BUILDER, TrainConfig, build
     from ckptflow.trainer.reference.model import ModelConfig, lm_loss
@@ -89,7 +90,8 @@ def test_the_live_probe_is_recorded_at_every_save_and_replays_bitwise(tmp_path):
 NEXT_STEP = textwrap.dedent("""
     import os
     import torch
-    from ckptflow.trainer.checkpointer import CheckpointConfig, CheckpointManager, Provenance, SanitySpec
+    from ckptflow.trainer.config import CheckpointConfig, Provenance, SanitySpec
+    from ckptflow.trainer.checkpointer import CheckpointManager
     from ckptflow.trainer.distenv import init_distributed, shutdown
     from ckptflow.trainer.reference.build import BUILDER, TrainConfig, build
     from ckptflow.trainer.reference.data import GlobalSampler

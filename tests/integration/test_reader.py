@@ -26,7 +26,8 @@ SCRIPT = textwrap.dedent("""
     import torch
     from ckptflow.trainer import checksum
     checksum.MIN_BLOCK = 4096  # dozens of blocks for a tiny model
-    from ckptflow.trainer.checkpointer import CheckpointConfig, CheckpointManager, Provenance
+    from ckptflow.trainer.config import CheckpointConfig, Provenance
+    from ckptflow.trainer.checkpointer import CheckpointManager
     from ckptflow.trainer.distenv import init_distributed
 
     env = init_distributed()
@@ -429,3 +430,27 @@ def test_a_run_verified_in_one_call_copies_pieces_added_meanwhile_and_stops_at_a
     assert n == 1
     assert torch.equal(rest[:4096], src[4096 * 3 : 4096 * 4]) and not rest[4096:].any()
     assert ("f.bin", 3) in sched.matched and ("f.bin", 4) not in sched.matched
+
+
+def test_without_the_c_extension_a_checkpoint_loads_and_replays_its_probe_bitwise(tiny_run, tmp_path):
+    """``CKPTFLOW_NO_ACCEL=1``: the load's pure-Python path (memmove, a block at a time) — what a
+    host without a C compiler runs — restores the checkpoint exactly (the sanity step replays
+    the probe loss recorded at save time bit for bit)."""
+    import subprocess
+
+    from tests.helpers import PY, REPO, step_dir, torchrun_env
+
+    out = tmp_path / "result.json"
+    code = (
+        "from ckptflow.trainer import memcopy\n"
+        "assert not (memcopy.STREAMING or memcopy.VERIFY_COPY or memcopy.STREAM_IN), 'the extension is on'\n"
+        "from ckptflow.trainer.sanity import main\n"
+        f"raise SystemExit(main([{step_dir(tiny_run, 6)!r}, '--out', {str(out)!r}]))\n"
+    )
+    env = dict(torchrun_env(), CKPTFLOW_NO_ACCEL="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    r = subprocess.run([PY, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["ok"] and res["probe_match"] == "bitwise", res

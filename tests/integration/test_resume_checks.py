@@ -56,7 +56,8 @@ def test_data_fingerprint_mismatch_is_refused(tmp_path):
 
 SCRIPT = textwrap.dedent("""
     import os, random, numpy as np, torch
-    from ckptflow.trainer.checkpointer import CheckpointConfig, CheckpointManager, Provenance
+    from ckptflow.trainer.config import CheckpointConfig, Provenance
+    from ckptflow.trainer.checkpointer import CheckpointManager
     from ckptflow.trainer.distenv import init_distributed
     env = init_distributed()
     def build():

@@ -23,7 +23,8 @@ LINGERING_COMMIT = textwrap.dedent("""
     import os, threading, time
     import torch
     from ckptflow.trainer import saver
-    from ckptflow.trainer.checkpointer import CheckpointConfig, CheckpointManager, Provenance
+    from ckptflow.trainer.config import CheckpointConfig, Provenance
+    from ckptflow.trainer.checkpointer import CheckpointManager
     from ckptflow.trainer.distenv import init_distributed, shutdown
 
     commit = saver.AsyncSaver._commit
@@ -71,7 +72,8 @@ ONE_LANE = textwrap.dedent("""
     import os, threading
     import torch
     from ckptflow.trainer import saver
-    from ckptflow.trainer.checkpointer import CheckpointConfig, CheckpointManager, Provenance
+    from ckptflow.trainer.config import CheckpointConfig, Provenance
+    from ckptflow.trainer.checkpointer import CheckpointManager
     from ckptflow.trainer.distenv import init_distributed, shutdown
     from ckptflow.trainer.errors import SaveError
 

@@ -250,7 +250,7 @@ def test_auto_interval_bounds():
 
 
 def test_auto_config_is_checked():
-    from ckptflow.trainer.checkpointer import CheckpointConfig
+    from ckptflow.trainer.config import CheckpointConfig
 
     with pytest.raises(ConfigError, match="needs mtbf_hours"):
         CheckpointConfig(root="/tmp/x", run_id="r", interval="auto")

@@ -1,4 +1,4 @@
-"""The streaming-store copy the load uses (``trainer/memcopy.py``, ``trainer/_memcopy.c``)."""
+"""The streaming-store copy the load uses (``trainer/memcopy.py``, ``csrc/_memcopy.c``)."""
 
 from __future__ import annotations
 

@@ -22,7 +22,8 @@ from typing import cast
 import torch.distributed as dist
 
 from ckptflow.trainer import faults
-from ckptflow.trainer.checkpointer import CheckpointConfig, CheckpointManager, Provenance, SanitySpec
+from ckptflow.trainer.checkpointer import CheckpointManager
+from ckptflow.trainer.config import CheckpointConfig, Provenance, SanitySpec
 from ckptflow.trainer.distenv import init_distributed, shutdown
 from ckptflow.trainer.reference import threadcpu
 from ckptflow.trainer.reference.build import BUILDER, TrainConfig, build

@@ -34,10 +34,10 @@
 #endif
 
 #if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
-#include "_xxhash/xxh_x86dispatch.c" /* XXH3_64bits: the best of SSE2 / AVX2 / AVX-512 at run time */
+#include "xxh_x86dispatch.c" /* XXH3_64bits: the best of SSE2 / AVX2 / AVX-512 at run time */
 #else
 #define XXH_INLINE_ALL
-#include "_xxhash/xxhash.h"
+#include "xxhash.h"
 #endif
 
 #if defined(__x86_64__) || defined(_M_X64)

@@ -1,0 +1,100 @@
+"""Every private piece of torch the trainer uses, imported here and nowhere else, and why.
+
+torch.distributed.checkpoint's public surface (``dcp.save``/``load``, the planners, the
+storage reader and writer, ``DefaultStager``, ``get_state_dict``/``set_state_dict``) is what
+the trainer is built on. What it does beyond that — a writer whose results DCP's own reader
+reads, a stager that reuses the previous save's buffers, a cached local plan, a reader that
+plans whole-chunk reads — needs the symbols below, which DCP does not export. Each entry says
+what it is for; each exists in every torch of the supported window (2.11-2.14), which
+``make test-torch`` checks release by release. A torch outside the window that lacks one fails
+at import with the symbol's name, not somewhere inside a save.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+try:
+    # What a FileSystemWriter's WriteResult carries (file, offset, length) and the
+    # FileSystemReader looks up: our writer (fastwrite.py) produces the same results.
+    from torch.distributed._shard._utils import narrow_tensor_by_index
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    # The reader (reader.py) plans reads as DCP's DefaultLoadPlanner does, with DCP's own
+    # helpers, so a state dict flattens, chunks and narrows exactly as DCP would.
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    # DCP's CPU stager behind DefaultStager: keeps one CPU buffer per live storage between
+    # saves; restage.py subclasses it to skip the deep copy around the buffers.
+    from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.planner_helpers import _create_chunk_list, _create_read_items
+except ImportError as e:  # pragma: no cover - a torch outside the window
+    raise ImportError(f"ckptflow needs {e.name or e} from torch {torch.__version__}; supported: torch 2.11-2.14") from e
+
+__all__ = [
+    "PLAN_CACHES",
+    "ShardedTensor",
+    "StateDictStager",
+    "_StorageInfo",
+    "_create_chunk_list",
+    "_create_read_items",
+    "cached_local_plan",
+    "flatten_state_dict",
+    "local_tensor",
+    "narrow_tensor_by_index",
+    "pending_local_plan",
+    "plan_cache_key",
+    "set_element",
+    "set_plan_cache_key",
+    "set_state_dict_stager",
+]
+
+
+def local_tensor(t: Any) -> torch.Tensor:
+    """A DTensor's local shard without autograd (``to_local()`` records a graph node and, for a
+    partial placement, may reduce): the stager and the writer read and copy its bytes only."""
+    return t._local_tensor
+
+
+def set_state_dict_stager(stager: Any, state_dict_stager: StateDictStager) -> None:
+    """Give a ``DefaultStager`` the ``StateDictStager`` it copies with (it takes no argument for
+    one): restage.py's, which reuses the previous save's layout."""
+    stager._state_dict_stager = state_dict_stager
+
+
+# DCP's plan caching (``DefaultSavePlanner(enable_plan_caching=True)``) keys its class-level
+# caches by ``_cached_plans_key``, the planner's class name: two managers in one process would
+# share (and corrupt) one entry. One key per saver keeps them apart, and saver.py drops the
+# entries when the saver closes (they live as long as the process otherwise).
+PLAN_CACHES = (
+    "_cached_save_plan",
+    "_cached_final_save_plan",
+    "_cached_all_plans",
+    "_cached_global_plan",
+    "_cached_metadata",
+)
+
+
+def set_plan_cache_key(planner: Any, key: str) -> None:
+    planner._cached_plans_key = key
+
+
+def plan_cache_key(planner: Any) -> str:
+    return str(planner._cached_plans_key)
+
+
+def cached_local_plan(planner: Any) -> Any:
+    """The local plan DCP cached for this planner's key after the last successful save, if any."""
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    return SavePlanner._cached_save_plan.get(plan_cache_key(planner))
+
+
+def pending_local_plan(planner: Any) -> Any:
+    """The local plan DCP made in this save and caches only once the global plan succeeded
+    (torch 2.13+; 2.11-2.12 cache it at once, and then there is none pending)."""
+    return getattr(planner, "_pending_local_plan", None)
