@@ -41,12 +41,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from ckptflow.trainer import layout
 from ckptflow.trainer.checkpointer import CheckpointManager
 from ckptflow.trainer.config import CheckpointConfig, Provenance, SanitySpec
 from ckptflow.trainer.distenv import DistEnv, exit_process, init_distributed, shutdown
+from ckptflow.trainer.format import layout
+from ckptflow.trainer.format.manifest import read_manifest
 from ckptflow.trainer.loader import load_verified
-from ckptflow.trainer.manifest import read_manifest
 from ckptflow.trainer.reference.build import BUILDER, Built, TrainConfig, build
 from ckptflow.trainer.reference.data import GlobalSampler
 from ckptflow.trainer.reference.model import ModelConfig, lm_loss

@@ -59,8 +59,8 @@ def plain_checkpoint(path: str, state: dict[str, torch.Tensor]) -> Any:
     (whole and block digests, as ckptflow's commit records them; not written to disk)."""
     import torch.distributed.checkpoint as dcp
 
-    from ckptflow.trainer.checksum import digest_file
-    from ckptflow.trainer.manifest import FileEntry, Manifest
+    from ckptflow.trainer.format.checksum import digest_file
+    from ckptflow.trainer.format.manifest import FileEntry, Manifest
 
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.simplefilter("ignore", UserWarning)

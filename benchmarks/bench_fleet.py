@@ -101,7 +101,7 @@ def commits(hot: str) -> dict[tuple[str, int], float]:
 
 
 def outcome(hot: str, key: tuple[str, int]) -> str | None:
-    from ckptflow.trainer import layout
+    from ckptflow.trainer.format import layout
 
     d = os.path.join(hot, key[0], "_lifecycle", layout.step_name(key[1]))
     for rec, name in (("pruned.json", "done"), ("quarantined.json", "quarantined")):
@@ -256,7 +256,7 @@ def one_round(a: argparse.Namespace, backend: str, s3: MotoServer, base: str, *,
         missed = [k for k, at in made.items() if down_at <= at <= up_at]
         done_at = []
         for k in missed:
-            from ckptflow.trainer import layout
+            from ckptflow.trainer.format import layout
 
             p = os.path.join(hot, k[0], "_lifecycle", layout.step_name(k[1]), "pruned.json")
             if os.path.exists(p):

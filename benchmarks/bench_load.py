@@ -65,7 +65,7 @@ def raw_read(paths: list[str], *, hashing: bool = False, into: memoryview | None
     """Read every byte of ``paths`` (8 MiB at a time, one thread); ``hashing``: and take the
     manifest's xxh3 of each file; ``into``: and copy the bytes there, one after another (what a
     load must do on top: its bytes end in the model's memory, not in a buffer left in cache)."""
-    from ckptflow.trainer.checksum import new_hasher
+    from ckptflow.trainer.format.checksum import new_hasher
 
     buf = bytearray(8 << 20)
     view = memoryview(buf)
@@ -178,8 +178,8 @@ def run(one: str, two: str, model: str, reps: int) -> dict:
 
     from ckptflow.trainer import memcopy
     from ckptflow.trainer.distenv import init_distributed
+    from ckptflow.trainer.format.manifest import read_manifest
     from ckptflow.trainer.loader import load_target, load_verified
-    from ckptflow.trainer.manifest import read_manifest
     from ckptflow.trainer.reader import THREADS
     from ckptflow.trainer.reference.build import TrainConfig, build
     from ckptflow.trainer.reference.model import ModelConfig

@@ -81,8 +81,8 @@ def transport_worker(path: str, mb: int) -> None:
 
     import torch.distributed as dist
 
-    from ckptflow.trainer import transport
-    from ckptflow.trainer.checksum import hash_file
+    from ckptflow.trainer.format.checksum import hash_file
+    from ckptflow.trainer.nodes import transport
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     r = dist.get_rank()

@@ -89,8 +89,8 @@ def _dcp(sd: Any, path: str, fast: bool, direct: bool = False) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-    from ckptflow.trainer.checksum import hash_file
     from ckptflow.trainer.fastwrite import HashingWriter
+    from ckptflow.trainer.format.checksum import hash_file
 
     writer = HashingWriter(path, sync_files=True, direct_io=direct) if fast else FileSystemWriter(path, sync_files=True)
     with warnings.catch_warnings():

@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ckptflow.harness import PY, child_env, children_of, cmdline, kill_tree, reference_job
-from ckptflow.trainer import layout
 from ckptflow.trainer.events import read_outbox
+from ckptflow.trainer.format import layout
 from ckptflow.trainer.reference.metrics import read_metrics
 
 

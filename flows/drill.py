@@ -25,8 +25,9 @@ from ckptflow.tasks.config import CkptflowConfig, load_config
 from ckptflow.tasks.drill import append_history, drill_one, pick_steps, read_history
 from ckptflow.tasks.report import drill_markdown, plot_drill, read_metrics
 from ckptflow.tasks.storage import Tier
-from ckptflow.trainer import events, layout
+from ckptflow.trainer import events
 from ckptflow.trainer.errors import CkptflowError, ConfigError
+from ckptflow.trainer.format import layout
 
 
 def drill_tier(cfg: CkptflowConfig) -> Tier:

@@ -26,8 +26,9 @@ from ckptflow.tasks.checkpoint import CheckpointRef
 from ckptflow.tasks.config import load_config
 from ckptflow.tasks.heartbeat import Heartbeat, LifecycleBusy
 from ckptflow.tasks.stages import STAGES, Stage, StageRecord, run_stage_forked
-from ckptflow.trainer import events, layout
+from ckptflow.trainer import events
 from ckptflow.trainer.errors import ConfigError
+from ckptflow.trainer.format import layout
 
 FLOW_RUN_NAME = "lifecycle-{run_id}-step{step}"
 """How the lifecycle's flow runs are named; reconcile finds a step's runs by it."""

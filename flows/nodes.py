@@ -87,7 +87,7 @@ def node_part(
 ) -> dict[str, Any]:
     """One node's part of a checkpoint's lifecycle, on that node (``action``: stage or prune)."""
     export_manifest_key()
-    from ckptflow.trainer.topology import node_id
+    from ckptflow.trainer.nodes.topology import node_id
 
     cfg = load_config(config)
     here = node_id(cfg.hot.url)
@@ -119,7 +119,7 @@ def scan_node(cfg: Any, node: str) -> dict[str, Any]:
     so the warm side of reconcile can finish it. Returns run -> steps staged."""
     from ckptflow.tasks.stages import finished
     from ckptflow.tasks.transfer._parts import stage_part
-    from ckptflow.trainer import layout
+    from ckptflow.trainer.format import layout
 
     hot, warm = Tier(cfg.hot), Tier(cfg.warm)
     out: dict[str, Any] = {}
@@ -211,7 +211,7 @@ def unfinished_node_steps(cfg: Any) -> dict[str, list[tuple[int, list[str]]]]:
     from ckptflow.tasks import records
     from ckptflow.tasks.stages import finished
     from ckptflow.tasks.transfer._parts import parts_status
-    from ckptflow.trainer import layout
+    from ckptflow.trainer.format import layout
 
     if cfg.warm is None:
         return {}
@@ -319,7 +319,7 @@ def _verify_warm(ref: CheckpointRef) -> Done:
 
     from ckptflow.tasks.transfer import fetch
     from ckptflow.tasks.verify import verify
-    from ckptflow.trainer import layout
+    from ckptflow.trainer.format import layout
 
     lc = ref.cfg.lifecycle
     scratch = tempfile.mkdtemp(prefix="ckptflow-verify-")

@@ -34,7 +34,8 @@ from ckptflow.tasks.config import CkptflowConfig, load_config
 from ckptflow.tasks.heartbeat import heartbeat_alive, read_heartbeat
 from ckptflow.tasks.stages import finished, stage_for_tier
 from ckptflow.tasks.storage import Tier
-from ckptflow.trainer import commit, events, layout
+from ckptflow.trainer import events
+from ckptflow.trainer.format import commit, layout
 
 if TYPE_CHECKING:
     from prefect.client.schemas import OrchestrationResult

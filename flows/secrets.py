@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 from ckptflow.trainer.errors import ConfigError
-from ckptflow.trainer.manifest import KEY_BLOCK_ENV, KEY_ENV
+from ckptflow.trainer.format.manifest import KEY_BLOCK_ENV, KEY_ENV
 
 
 def export_manifest_key() -> None:

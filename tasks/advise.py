@@ -202,7 +202,7 @@ def measure_run(run_dir: str, history_dir: str | None = None) -> RunMeasurement:
     ``history_dir`` defaults to the drills' default (``drills/`` next to the hot root, i.e.
     ``<run_dir>/../../drills``). Raises FileNotFoundError when ``run_dir`` is not a directory.
     """
-    from ckptflow.trainer import layout
+    from ckptflow.trainer.format import layout
     from ckptflow.trainer.reference.metrics import read_metrics
 
     run_dir = os.path.abspath(run_dir)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ckptflow.tasks.config import CkptflowConfig, load_config
-from ckptflow.trainer import layout
+from ckptflow.trainer.format import layout
 
 if TYPE_CHECKING:
     from ckptflow.tasks.storage import Tier

@@ -22,8 +22,8 @@ from typing import Any
 from ckptflow.tasks.storage import Tier, acquire_lease
 from ckptflow.tasks.transfer import fetch
 from ckptflow.tasks.verify import run_sanity
-from ckptflow.trainer import layout
 from ckptflow.trainer.errors import CkptflowError
+from ckptflow.trainer.format import layout
 from ckptflow.trainer.verify import verify_checkpoint
 
 

@@ -61,7 +61,7 @@ PRELOAD = (
     "ckptflow.tasks.transfer",
     "ckptflow.tasks.prune",
     "ckptflow.tasks.storage",
-    "ckptflow.trainer.dcpmeta",
+    "ckptflow.trainer.format.dcpmeta",
     "boto3",
     "s3fs",
     "zstandard",

@@ -608,8 +608,8 @@ def step_and_stall(run_dir: str) -> tuple[float | None, float | None]:
     by 15 %, which over a 460 s run was a 10 s (2 point) optimism in the replay.
     """
     from ckptflow.tasks.advise import MIN_STALL_S, step_deltas
-    from ckptflow.trainer import layout
     from ckptflow.trainer.events import read_outbox
+    from ckptflow.trainer.format import layout
     from ckptflow.trainer.reference.metrics import read_metrics
 
     saves = {int(o["step"]) for o in read_outbox(run_dir) if isinstance(o.get("step"), int)}
@@ -636,8 +636,8 @@ def costs_from_run(
     successful restore drills' median recovery time.
     """
     from ckptflow.tasks.advise import measure_run
-    from ckptflow.trainer import layout
     from ckptflow.trainer.events import read_outbox
+    from ckptflow.trainer.format import layout
     from ckptflow.trainer.reference.metrics import read_metrics
 
     m = measure_run(run_dir, history_dir)

@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from ckptflow.tasks.records import read_side_file, write_side_file
-from ckptflow.trainer import layout
+from ckptflow.trainer.format import layout
 
 HEARTBEAT = layout.HEARTBEAT
 BEAT_EVERY_S = 10.0

@@ -19,8 +19,9 @@ from ckptflow.tasks.retention import CheckpointInfo, Policy, plan
 from ckptflow.tasks.stages import ARCHIVE, PROMOTE, VERIFY
 from ckptflow.tasks.storage.leases import leased_steps
 from ckptflow.tasks.storage.tier import Tier
-from ckptflow.trainer import faults, layout
+from ckptflow.trainer import faults
 from ckptflow.trainer.errors import CkptflowError
+from ckptflow.trainer.format import layout
 
 if TYPE_CHECKING:
     from ckptflow.tasks.config import CkptflowConfig

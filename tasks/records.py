@@ -15,7 +15,7 @@ import time
 import uuid
 from typing import Any
 
-from ckptflow.trainer import layout
+from ckptflow.trainer.format import layout
 from ckptflow.trainer.fsutil import fsync_dir, replace_atomic, write_durable
 
 QUARANTINED = "quarantined"

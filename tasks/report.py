@@ -12,7 +12,7 @@ import os
 import time
 from typing import Any
 
-from ckptflow.trainer import layout
+from ckptflow.trainer.format import layout
 from ckptflow.trainer.reference.metrics import read_metrics
 
 __all__ = ["read_metrics"]  # re-exported: the drill flow reads the curve through the report

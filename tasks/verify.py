@@ -28,8 +28,9 @@ from typing import Any
 from ckptflow.tasks import forkserver, records
 from ckptflow.tasks.checkpoint import CheckpointRef
 from ckptflow.tasks.expectations import ExpectationReport
-from ckptflow.trainer import faults, layout
+from ckptflow.trainer import faults
 from ckptflow.trainer.errors import CheckpointNotFoundError
+from ckptflow.trainer.format import layout
 from ckptflow.trainer.verify import verify_checkpoint
 
 SANITY_MODULE = "ckptflow.trainer.sanity"

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ckptflow.harness import PY, child_env, free_port, reference_job, torchrun
-from ckptflow.trainer import layout
+from ckptflow.trainer.format import layout
 from ckptflow.trainer.reference.metrics import last_per_step, read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -23,19 +23,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckptflow.trainer import commit, events, layout
+from ckptflow.trainer import events
 from ckptflow.trainer.config import CheckpointConfig, Provenance, SanitySpec, Stateful, code_version
 from ckptflow.trainer.distenv import DistEnv, init_distributed
 from ckptflow.trainer.errors import ConfigError, SaveError
+from ckptflow.trainer.format import commit, layout
+from ckptflow.trainer.format.manifest import FileEntry, Manifest
 from ckptflow.trainer.interval import AutoInterval
 from ckptflow.trainer.loader import Reshard
-from ckptflow.trainer.manifest import FileEntry, Manifest
-from ckptflow.trainer.nodes import recover
+from ckptflow.trainer.nodes.topology import Topology, discover, single
+from ckptflow.trainer.nodes.twolevel import recover
 from ckptflow.trainer.probe import NextStepLoss, fixed_batch_record, next_step_record, none_recorded
 from ckptflow.trainer.restore import LoadResult, Resume, resume
 from ckptflow.trainer.saver import AsyncSaver, SaveRequest
 from ckptflow.trainer.state import LAYOUT, TrainState, build_save_state, rank_state, shared_state
-from ckptflow.trainer.topology import Topology, discover, single
 
 log = logging.getLogger(__name__)
 

@@ -10,10 +10,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ckptflow.trainer import layout
-from ckptflow.trainer.checksum import hash_bytes
 from ckptflow.trainer.errors import ConfigError
-from ckptflow.trainer.topology import SCOPES
+from ckptflow.trainer.format import layout
+from ckptflow.trainer.format.checksum import hash_bytes
+from ckptflow.trainer.nodes.topology import SCOPES
 
 ASYNC_MODES = ("async_staging", "sync")
 """``async_staging``: the state is copied into reused CPU buffers off the training thread and
@@ -73,9 +73,9 @@ class CheckpointConfig:
     """Longest ``close()`` waits for undelivered events (the outbox keeps them anyway)."""
     hot_scope: str = "auto"
     """Whether ``root`` is one folder all ranks share or each node's own disk. ``auto`` finds out
-    at start-up (``trainer/topology.py``); ``shared`` or ``node`` say what to expect, and a
+    at start-up (``trainer/nodes/topology.py``); ``shared`` or ``node`` say what to expect, and a
     start-up that finds otherwise fails with the reason. Node-local roots commit in two levels
-    (``trainer/nodes.py``)."""
+    (``trainer/nodes/twolevel.py``)."""
     replicas: int = 2
     """Node-local roots: how many nodes hold each shard file — the node that wrote it and the
     next ones on a ring — so a lost node loses no checkpoint. 1 turns replication off."""

@@ -24,7 +24,7 @@ import urllib.request
 import uuid
 from datetime import UTC, datetime
 
-from ckptflow.trainer import layout
+from ckptflow.trainer.format import layout
 from ckptflow.trainer.fsutil import append_durable
 
 log = logging.getLogger(__name__)

@@ -54,8 +54,8 @@ from torch.futures import Future
 
 from ckptflow.trainer import zipfmt
 from ckptflow.trainer._torch_private import _StorageInfo, local_tensor
-from ckptflow.trainer.checksum import FileDigest, block_size_for
 from ckptflow.trainer.directio import DirectFile
+from ckptflow.trainer.format.checksum import FileDigest, block_size_for
 
 try:  # the same CRC-32 as zlib's, with carry-less multiplication: ~4x faster here
     from isal.isal_zlib import crc32 as _crc32

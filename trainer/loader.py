@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ckptflow.trainer.distenv import DistEnv
 from ckptflow.trainer.errors import ConfigError, IntegrityError
-from ckptflow.trainer.manifest import Manifest
+from ckptflow.trainer.format.manifest import Manifest
 from ckptflow.trainer.safetree import decode
 from ckptflow.trainer.state import (
     RANKS,
@@ -73,8 +73,8 @@ def files_read(step_dir: str, target: dict[str, Any], metadata: Any = None) -> s
     """The files a ``dcp.load`` of ``target`` from ``step_dir`` reads on this rank: DCP's own
     load plan (so resharding at another world size is accounted for), with ``.metadata``
     parsed by the restricted reader — call it only once ``.metadata`` matched its manifest."""
-    from ckptflow.trainer import layout
-    from ckptflow.trainer.dcpmeta import read_dcp_metadata
+    from ckptflow.trainer.format import layout
+    from ckptflow.trainer.format.dcpmeta import read_dcp_metadata
     from ckptflow.trainer.reader import SafeLoadPlanner
 
     md = metadata if metadata is not None else read_dcp_metadata(step_dir)

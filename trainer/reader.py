@@ -6,7 +6,7 @@ every byte once already to verify it. :class:`VerifiedReader` reads the same fil
 stay standard DCP, vanilla PyTorch still reads them — differently:
 
 * ``.metadata``: read, its size and xxh3 checked against the manifest, then parsed by the
-  restricted reader of ``trainer/dcpmeta.py`` (an allow-list of DCP's own classes);
+  restricted reader of ``trainer/format/dcpmeta.py`` (an allow-list of DCP's own classes);
 * data files: mapped, and verified block by block against the block digests the manifest
   records (``trainer/verifiedcopy.py``), on every core; each block's bytes are copied to their
   destination tensors as soon as that block matched, while they are in cache — never before.
@@ -63,7 +63,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from ckptflow.trainer import layout, memcopy
+from ckptflow.trainer import memcopy
 from ckptflow.trainer._torch_private import (
     ShardedTensor,
     _create_chunk_list,
@@ -73,9 +73,10 @@ from ckptflow.trainer._torch_private import (
     narrow_tensor_by_index,
     set_element,
 )
-from ckptflow.trainer.dcpmeta import MAX_METADATA_BYTES, loads_dcp_metadata
 from ckptflow.trainer.errors import IntegrityError
-from ckptflow.trainer.manifest import FileEntry, Manifest
+from ckptflow.trainer.format import layout
+from ckptflow.trainer.format.dcpmeta import MAX_METADATA_BYTES, loads_dcp_metadata
+from ckptflow.trainer.format.manifest import FileEntry, Manifest
 from ckptflow.trainer.tensoritem import NOT_PLAIN, Locator, TensorItem, plain_item
 from ckptflow.trainer.verifiedcopy import (
     READAHEAD,

@@ -13,16 +13,16 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ckptflow.trainer import commit
 from ckptflow.trainer.config import Provenance
 from ckptflow.trainer.distenv import DistEnv
 from ckptflow.trainer.errors import IntegrityError
+from ckptflow.trainer.format import commit
+from ckptflow.trainer.format.manifest import Manifest
 from ckptflow.trainer.loader import Reshard, files_read, load_target, load_verified
-from ckptflow.trainer.manifest import Manifest
-from ckptflow.trainer.nodes import not_recoverable_error, resume_point
+from ckptflow.trainer.nodes.topology import Topology
+from ckptflow.trainer.nodes.twolevel import not_recoverable_error, resume_point
 from ckptflow.trainer.resume import check_provenance, find_resume_point, no_checkpoint_error
 from ckptflow.trainer.state import TrainState
-from ckptflow.trainer.topology import Topology
 
 __all__ = ["LoadResult", "Resume", "resume"]
 
@@ -115,11 +115,11 @@ def _resume_shared(r: Resume, load: Callable[[str, Manifest], object]) -> LoadRe
 
 def _resume_nodes(r: Resume, state: TrainState, load: Callable[[str, Manifest], object]) -> LoadResult:
     """Node-local roots: agree on the newest recoverable step, fetch what each node lacks,
-    verify, load (``trainer/nodes.py``)."""
+    verify, load (``trainer/nodes/twolevel.py``)."""
     env, topo = r.env, r.topology
 
     def needs(step_dir: str, manifest: Manifest) -> set[str]:
-        from ckptflow.trainer.dcpmeta import read_dcp_metadata
+        from ckptflow.trainer.format.dcpmeta import read_dcp_metadata
 
         md = read_dcp_metadata(step_dir)  # what files_read parses anyway; also sizes the optimizer's state
         return files_read(step_dir, load_target(manifest, env=env, state=state, metadata=md), md)

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ckptflow.trainer import commit, layout
 from ckptflow.trainer.errors import CheckpointNotFoundError, MismatchError
-from ckptflow.trainer.manifest import Manifest
+from ckptflow.trainer.format import commit, layout
+from ckptflow.trainer.format.manifest import Manifest
 from ckptflow.trainer.verify import check_present, share_of_files, verify_checkpoint
 
 log = logging.getLogger(__name__)

@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from ckptflow.trainer import faults, layout
+from ckptflow.trainer import faults
 from ckptflow.trainer._torch_private import (
     PLAN_CACHES,
     cached_local_plan,
@@ -54,13 +54,14 @@ from ckptflow.trainer._torch_private import (
     set_plan_cache_key,
     set_state_dict_stager,
 )
-from ckptflow.trainer.checksum import digest_file
 from ckptflow.trainer.config import ASYNC_MODES
 from ckptflow.trainer.errors import SaveError
 from ckptflow.trainer.fastwrite import HashingWriter
-from ckptflow.trainer.manifest import FileEntry, Manifest
+from ckptflow.trainer.format import layout
+from ckptflow.trainer.format.checksum import digest_file
+from ckptflow.trainer.format.manifest import FileEntry, Manifest
+from ckptflow.trainer.nodes.topology import Topology, single
 from ckptflow.trainer.restage import ReusingStateDictStager, layout_of
-from ckptflow.trainer.topology import Topology, single
 
 log = logging.getLogger(__name__)
 
@@ -500,9 +501,9 @@ class AsyncSaver:
         timing.bytes = int(detail)
 
     def _commit_nodes(self, gathered: list | None, req: SaveRequest, timing: SaveTiming) -> None:
-        """Node-local roots: the two-level commit of ``trainer/nodes.py``, phases 3-8."""
-        from ckptflow.trainer.manifest import Manifest
-        from ckptflow.trainer.nodes import NodeSave
+        """Node-local roots: the two-level commit of ``trainer/nodes/twolevel.py``, phases 3-8."""
+        from ckptflow.trainer.format.manifest import Manifest
+        from ckptflow.trainer.nodes.twolevel import NodeSave
 
         ns = NodeSave(self.topology, req.run_path, req.step, self.group, timeout_s=self.timeout_s)
         box: list = [None]
@@ -553,7 +554,7 @@ class AsyncSaver:
 
     def _build_node_manifest(self, gathered: list, req: SaveRequest) -> tuple:
         """Rank 0, node-local roots: the manifest with its placement, and ``.metadata``'s bytes."""
-        from ckptflow.trainer.nodes import PLACEMENT, placement
+        from ckptflow.trainer.nodes.twolevel import PLACEMENT, placement
 
         files, problem, owners = self._checked_files(gathered)
         if files is None:
@@ -569,7 +570,7 @@ class AsyncSaver:
 
     def _coordinate(self, gathered: list, req: SaveRequest) -> tuple[str, Any]:
         """Rank 0, one shared root: build the manifest from every rank's entries and commit."""
-        from ckptflow.trainer.commit import commit_checkpoint  # local: keeps import graph flat
+        from ckptflow.trainer.format.commit import commit_checkpoint  # local: keeps import graph flat
 
         files, problem, _ = self._checked_files(gathered)
         if files is None:

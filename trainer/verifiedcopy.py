@@ -28,10 +28,10 @@ import torch
 from torch.distributed.checkpoint.planner import ReadItem
 
 from ckptflow.trainer import memcopy
-from ckptflow.trainer.checksum import CHUNK, block_digest, new_hasher
 from ckptflow.trainer.devicecopy import DeviceCopies, Span, staged
 from ckptflow.trainer.errors import IntegrityError
-from ckptflow.trainer.manifest import FileEntry
+from ckptflow.trainer.format.checksum import CHUNK, block_digest, new_hasher
+from ckptflow.trainer.format.manifest import FileEntry
 
 READAHEAD = 256 << 20
 """How far ahead of the digests a cold file is asked for (``MADV_WILLNEED``): it then streams

@@ -13,10 +13,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from ckptflow.trainer import layout
-from ckptflow.trainer.checksum import hash_file
 from ckptflow.trainer.errors import IntegrityError, UnsafePathError
-from ckptflow.trainer.manifest import Manifest, read_manifest
+from ckptflow.trainer.format import layout
+from ckptflow.trainer.format.checksum import hash_file
+from ckptflow.trainer.format.manifest import Manifest, read_manifest
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +158,7 @@ def verify_checkpoint(
         # Its bytes match the manifest; it must also be a DCP metadata file. An unsigned manifest
         # can be rewritten to vouch for anything, so a file that does not parse (or asks for a
         # class DCP never writes) is a damaged checkpoint, reported here and never loaded.
-        from ckptflow.trainer.dcpmeta import read_dcp_metadata
+        from ckptflow.trainer.format.dcpmeta import read_dcp_metadata
 
         try:
             read_dcp_metadata(ckpt_dir)

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from ckptflow.chaos import procs
 from ckptflow.chaos.servers import HarnessError, MotoServer, PrefectServer
 from ckptflow.chaos.workspace import RUN_ID, Scratch, Style, clone, committed_by_tier
-from ckptflow.trainer import layout
 from ckptflow.trainer.errors import CkptflowError
-from ckptflow.trainer.manifest import KEY_BLOCK_ENV, KEY_ENV
+from ckptflow.trainer.format import layout
+from ckptflow.trainer.format.manifest import KEY_BLOCK_ENV, KEY_ENV
 
 TRAIN_STEPS, SAVE_EVERY = 10, 2
 """Trainer trials (kill, enospc): saves at 2, 4, 6, 8, 10."""

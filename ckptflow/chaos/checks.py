@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from ckptflow.chaos.workspace import Scratch, list_keys
 from ckptflow.tasks.storage import Tier
 from ckptflow.tasks.transfer import fetch, restore
-from ckptflow.trainer import commit, layout
-from ckptflow.trainer.atomicity import DELETING_SUFFIX
 from ckptflow.trainer.errors import CkptflowError
+from ckptflow.trainer.format import commit, layout
+from ckptflow.trainer.format.atomicity import DELETING_SUFFIX
 from ckptflow.trainer.resume import ResumeReport, find_resume_point
 from ckptflow.trainer.verify import verify_checkpoint
 
@@ -171,7 +171,7 @@ class NoUnpickle:
 
     def __enter__(self) -> NoUnpickle:
         if not NoUnpickle._installed:
-            from ckptflow.trainer.dcpmeta import _MetadataUnpickler
+            from ckptflow.trainer.format.dcpmeta import _MetadataUnpickler
 
             NoUnpickle._restricted_code = _MetadataUnpickler.find_class.__code__
             sys.addaudithook(NoUnpickle._hook)

@@ -25,7 +25,7 @@ from typing import Any
 from ckptflow.chaos.campaign import Campaign, Options
 from ckptflow.chaos.kinds import module
 from ckptflow.chaos.model import KINDS, TrialPlan, TrialResult, campaign_ok, summarize
-from ckptflow.trainer.manifest import KEY_ENV
+from ckptflow.trainer.format.manifest import KEY_ENV
 
 
 @dataclass(slots=True)

@@ -25,7 +25,7 @@ from typing import Any
 
 from ckptflow.tasks.config import CkptflowConfig, load_config
 from ckptflow.tasks.storage import Tier
-from ckptflow.trainer import layout
+from ckptflow.trainer.format import layout
 
 RUN_ID = "chaos"
 KEEP_LAST = 2

@@ -70,7 +70,7 @@ def ls(
 
     from ckptflow.cli.common import check_run, fail, hint, load, tiers
     from ckptflow.cli.errors import EXIT_ERROR, EXIT_NOT_FOUND
-    from ckptflow.trainer import layout
+    from ckptflow.trainer.format import layout
 
     cfg = load(config)
     run_filter: str | None = None
@@ -114,7 +114,7 @@ def ls(
 
 
 def _looks_like_run(path: str) -> bool:
-    from ckptflow.trainer import layout
+    from ckptflow.trainer.format import layout
 
     try:
         names = os.listdir(path)
@@ -129,8 +129,8 @@ def collect(cfg: Any, run_filter: str | None = None) -> tuple[list[Row], dict[st
     from ckptflow.tasks import records
     from ckptflow.tasks.stages import RECORDS, VERIFY, stage_records
     from ckptflow.tasks.storage import open_tiers
-    from ckptflow.trainer import layout
     from ckptflow.trainer.errors import CkptflowError
+    from ckptflow.trainer.format import layout
 
     found: dict[tuple[str, int], Row] = {}
     unreachable: dict[str, str] = {}

@@ -37,7 +37,7 @@ def worker(
         queue = "default"
     else:
         from ckptflow.flows.nodes import queue_for
-        from ckptflow.trainer.topology import node_id
+        from ckptflow.trainer.nodes.topology import node_id
 
         queue = queue_for(node_id(cfg.hot.url))
         from ckptflow.flows.serve import ensure_pool

@@ -121,8 +121,8 @@ def load(config: Path | None) -> CkptflowConfig:
 
 
 def check_run(run_id: str) -> str:
-    from ckptflow.trainer import layout
     from ckptflow.trainer.errors import ConfigError
+    from ckptflow.trainer.format import layout
 
     try:
         return layout.check_run_id(run_id)

@@ -67,7 +67,7 @@ node_part_timeout_s = 45
 
 
 def _node_id(root: str) -> str:
-    from ckptflow.trainer.topology import node_id
+    from ckptflow.trainer.nodes.topology import node_id
 
     return node_id(root)
 
@@ -168,7 +168,7 @@ def run_node_demo(s: DemoSettings, nodes: int = 2, say: Callable[[str], None] = 
         steps = sorted({c["step"] for c in commits})
         say(f"waiting for the lifecycle of {len(steps)} checkpoints {steps} (each node's part on its own worker) ...")
         out.lifecycle_states = _wait_lifecycles(steps, max(120.0, s.timeout_s - (time.monotonic() - t0)), say)
-        from ckptflow.trainer import layout
+        from ckptflow.trainer.format import layout
 
         out.checkpoints = _checkpoint_rows(general, layout.run_dir(os.path.join(wd, "warm"), RUN_ID), steps)
         say("restore drill: newest cold checkpoint -> scratch -> sanity step at world size 1 ...")

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, cast
 from ckptflow.demo import services
 from ckptflow.demo.training import run_training
 from ckptflow.harness import Supervisor, wait_deployments
-from ckptflow.trainer import layout
+from ckptflow.trainer.format import layout
 
 if TYPE_CHECKING:
     from prefect.client.schemas.objects import StateType

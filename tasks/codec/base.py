@@ -16,8 +16,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, BinaryIO, Protocol, runtime_checkable
 
-from ckptflow.trainer.checksum import new_hasher
 from ckptflow.trainer.errors import ConfigError
+from ckptflow.trainer.format.checksum import new_hasher
 
 if TYPE_CHECKING:
     from ckptflow.tasks.codec.dtypemap import DtypeMap

@@ -38,8 +38,8 @@ from ckptflow.tasks.codec.base import CodecStats, HashingReader, HashingWriter, 
 from ckptflow.tasks.codec.dtypemap import DtypeMap
 from ckptflow.tasks.codec.grouping import KINDS, PLAIN, merge, split
 from ckptflow.tasks.codec.plain import check_level
-from ckptflow.trainer.checksum import new_hasher
 from ckptflow.trainer.errors import ConfigError
+from ckptflow.trainer.format.checksum import new_hasher
 
 DEFAULT_CHUNK = 4 << 20
 DEFAULT_LEVEL = 1

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from ckptflow.tasks.codec.grouping import PLAIN, kind_for_dtype
-from ckptflow.trainer import layout
 from ckptflow.trainer.errors import ConfigError
+from ckptflow.trainer.format import layout
 
 _DATA_MEMBER = re.compile(r"(^|/)data/\d+$")
 _EOCD = b"PK\x05\x06"
@@ -92,7 +92,7 @@ def dtype_maps_for_checkpoint(ckpt_dir: str) -> dict[str, DtypeMap]:
     is everything when the directory has no ``.metadata`` and no safetensors file.
     Local paths and fsspec URLs both work.
     """
-    from ckptflow.trainer.dcpmeta import read_dcp_metadata
+    from ckptflow.trainer.format.dcpmeta import read_dcp_metadata
 
     maps: dict[str, DtypeMap] = {}
     if _exists(layout.join(ckpt_dir, layout.DCP_METADATA)):

@@ -19,12 +19,13 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 
-import ckptflow.trainer.dcpmeta  # noqa: F401  (imports torch now, not inside the timed work)
+import ckptflow.trainer.format.dcpmeta  # noqa: F401  (imports torch now, not inside the timed work)
 from ckptflow.tasks.codec import DtypeMap, dtype_maps_for_checkpoint, get_codec
-from ckptflow.trainer import fsutil, layout
+from ckptflow.trainer import fsutil
 from ckptflow.trainer.errors import CheckpointNotFoundError, ConfigError, IntegrityError
-from ckptflow.trainer.manifest import FORMAT as MANIFEST_FORMAT
-from ckptflow.trainer.manifest import MAX_MANIFEST_BYTES, read_manifest
+from ckptflow.trainer.format import layout
+from ckptflow.trainer.format.manifest import FORMAT as MANIFEST_FORMAT
+from ckptflow.trainer.format.manifest import MAX_MANIFEST_BYTES, read_manifest
 
 INDEX = "ckptflow-codec.json"
 INDEX_FORMAT = "ckptflow.codec-index"

@@ -27,10 +27,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptflow.trainer import layout
-from ckptflow.trainer.checksum import ALGORITHM, hash_bytes
 from ckptflow.trainer.errors import ManifestError, UnsafePathError
-from ckptflow.trainer.manifest import Manifest
+from ckptflow.trainer.format import layout
+from ckptflow.trainer.format.checksum import ALGORITHM, hash_bytes
+from ckptflow.trainer.format.manifest import Manifest
 
 INDEX_FORMAT = "ckptflow.tier-index"
 INDEX_VERSION = 1

@@ -22,8 +22,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ckptflow.tasks.storage.tier import Tier
-from ckptflow.trainer import layout
 from ckptflow.trainer.errors import ConfigError
+from ckptflow.trainer.format import layout
 
 log = logging.getLogger(__name__)
 

@@ -27,12 +27,12 @@ import fsspec
 from ckptflow.tasks.config import TierConfig
 from ckptflow.tasks.storage.index import TierIndex, identity_index, parse_marker
 from ckptflow.tasks.storage.s3 import S3Objects
-from ckptflow.trainer import layout
-from ckptflow.trainer.atomicity import RENAME, CommitRule, MarkerCommit, RenameCommit
-from ckptflow.trainer.checksum import hash_bytes
 from ckptflow.trainer.errors import CheckpointNotFoundError, ManifestError, StorageError, UnsafePathError
+from ckptflow.trainer.format import layout
+from ckptflow.trainer.format.atomicity import RENAME, CommitRule, MarkerCommit, RenameCommit
+from ckptflow.trainer.format.checksum import hash_bytes
+from ckptflow.trainer.format.manifest import MAX_MANIFEST_BYTES, Manifest
 from ckptflow.trainer.fsutil import remove_tree, replace_atomic
-from ckptflow.trainer.manifest import MAX_MANIFEST_BYTES, Manifest
 from ckptflow.trainer.verify import resolve_member
 
 log = logging.getLogger(__name__)

@@ -34,9 +34,9 @@ from ckptflow.tasks.storage.tier import StoredCheckpoint, Tier
 from ckptflow.tasks.transfer import _streams as streams
 from ckptflow.tasks.transfer._pool import run_all
 from ckptflow.tasks.transfer.results import FaultHook, TransferResult, no_fault
-from ckptflow.trainer import layout
-from ckptflow.trainer.checksum import hash_bytes, hash_file
 from ckptflow.trainer.errors import ConfigError, IntegrityError, ManifestError, StorageError
+from ckptflow.trainer.format import layout
+from ckptflow.trainer.format.checksum import hash_bytes, hash_file
 
 if TYPE_CHECKING:
     from ckptflow.tasks.codec import DtypeMap

@@ -31,9 +31,9 @@ from ckptflow.tasks.storage.tier import StoredCheckpoint, Tier
 from ckptflow.tasks.transfer import _streams as streams
 from ckptflow.tasks.transfer._pool import run_all
 from ckptflow.tasks.transfer.results import FetchResult
-from ckptflow.trainer import layout
-from ckptflow.trainer.checksum import hash_file
 from ckptflow.trainer.errors import CodecError, ConfigError, IntegrityError
+from ckptflow.trainer.format import layout
+from ckptflow.trainer.format.checksum import hash_file
 
 Progress = Callable[[int], None]
 """Called with a number of bytes just processed (from worker threads: it must be thread-safe;

@@ -33,12 +33,12 @@ from ckptflow.tasks.storage.tier import Tier
 from ckptflow.tasks.transfer import _streams as streams
 from ckptflow.tasks.transfer._promote import _locked_tmp, _require_rename_tier
 from ckptflow.tasks.transfer.results import FaultHook, TransferResult, no_fault
-from ckptflow.trainer import layout
-from ckptflow.trainer.checksum import hash_bytes
 from ckptflow.trainer.errors import CheckpointNotFoundError, CkptflowError, IntegrityError, ManifestError
+from ckptflow.trainer.format import layout
+from ckptflow.trainer.format.checksum import hash_bytes
+from ckptflow.trainer.format.manifest import Manifest
 from ckptflow.trainer.fsutil import fsync_dir, replace_atomic, write_durable
-from ckptflow.trainer.manifest import Manifest
-from ckptflow.trainer.nodes import PLACEMENT
+from ckptflow.trainer.nodes.twolevel import PLACEMENT
 
 log = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ from typing import BinaryIO
 
 from ckptflow.tasks.codec import Codec, CodecStats, DtypeMap, get_codec
 from ckptflow.tasks.storage.tier import StoredCheckpoint, Tier
-from ckptflow.trainer import layout
-from ckptflow.trainer.checksum import hash_file, new_hasher
 from ckptflow.trainer.errors import CkptflowError, CodecError, IntegrityError
+from ckptflow.trainer.format import layout
+from ckptflow.trainer.format.checksum import hash_file, new_hasher
 from ckptflow.trainer.verify import check_file
 
 log = logging.getLogger(__name__)

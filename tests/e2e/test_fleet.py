@@ -12,7 +12,7 @@ import time
 import pytest
 
 from ckptflow.harness import PostgresServer, PrefectServer, child_env
-from ckptflow.trainer import layout
+from ckptflow.trainer.format import layout
 from tests.helpers import PY, REPO, make_run, write_config
 
 

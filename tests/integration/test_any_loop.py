@@ -18,7 +18,7 @@ import subprocess
 import pytest
 import torch
 
-from ckptflow.trainer import layout
+from ckptflow.trainer.format import layout
 from ckptflow.trainer.state import states_equal
 from tests.helpers import PY, run_torchrun, torchrun_env
 

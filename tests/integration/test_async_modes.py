@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from ckptflow.trainer.manifest import read_manifest
+from ckptflow.trainer.format.manifest import read_manifest
 from ckptflow.trainer.verify import verify_checkpoint
 from tests.helpers import flip_byte, run_torchrun, step_dir
 

@@ -25,8 +25,8 @@ import pytest
 from ckptflow.chaos.s3proxy import FaultProxy
 from ckptflow.tasks.config import TierConfig
 from ckptflow.tasks.storage import Tier
-from ckptflow.trainer import layout
 from ckptflow.trainer.errors import CheckpointNotFoundError, CkptflowError
+from ckptflow.trainer.format import layout
 from tests.helpers import PY, REPO, torchrun_env
 
 # ---- the proxy on its own -------------------------------------------------------------------

@@ -10,7 +10,7 @@ import shutil
 import boto3
 import pytest
 
-from ckptflow.trainer import layout
+from ckptflow.trainer.format import layout
 from tests.helpers import flip_byte, invoke, step_dir, write_config
 
 pytestmark = pytest.mark.usefixtures("wide_tables")

@@ -13,7 +13,7 @@ import time
 import boto3
 import pytest
 
-from ckptflow.trainer import layout
+from ckptflow.trainer.format import layout
 from tests.helpers import PY, REPO, fake_run, flip_byte, invoke
 
 pytestmark = pytest.mark.usefixtures("wide_tables")

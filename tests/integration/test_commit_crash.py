@@ -16,7 +16,8 @@ import shutil
 
 import pytest
 
-from ckptflow.trainer import commit, faults, layout
+from ckptflow.trainer import faults
+from ckptflow.trainer.format import commit, layout
 from ckptflow.trainer.resume import find_resume_point
 from ckptflow.trainer.verify import verify_checkpoint
 from tests.helpers import metrics, read_latest, run_torchrun, step_dir, tmp_dirs

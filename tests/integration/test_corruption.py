@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from ckptflow.trainer import layout
+from ckptflow.trainer.format import layout
 from ckptflow.trainer.resume import find_resume_point
 from ckptflow.trainer.verify import verify_checkpoint
 from tests.helpers import PY, REPO, flip_byte, metrics, run_torchrun, step_dir, torchrun_env

@@ -13,7 +13,8 @@ import time
 import boto3
 import pytest
 
-from ckptflow.trainer import events, layout
+from ckptflow.trainer import events
+from ckptflow.trainer.format import layout
 from tests.helpers import PY, REPO, write_config
 
 

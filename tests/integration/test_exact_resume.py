@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from ckptflow.trainer import layout
+from ckptflow.trainer.format import layout
 from tests.helpers import PY, REPO, last_per_step, metrics, read_latest, run_torchrun, step_dir, tmp_dirs, torchrun_env
 
 ARGS = ["--model", "tiny", "--max-steps", "10", "--save-every", "3"]

@@ -174,7 +174,7 @@ DTENSOR = textwrap.dedent("""
     from torch.distributed.tensor import Shard, Replicate, distribute_tensor
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from ckptflow.trainer.distenv import init_distributed
-    from ckptflow.trainer.dcpmeta import read_dcp_metadata
+    from ckptflow.trainer.format.dcpmeta import read_dcp_metadata
     from ckptflow.trainer.reader import SafeLoadPlanner
     env = init_distributed()
     mesh = init_device_mesh("cpu", (env.world_size,))

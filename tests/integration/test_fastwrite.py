@@ -14,8 +14,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 
 from ckptflow.trainer import fastwrite, zipfmt
-from ckptflow.trainer.checksum import digest_file, hash_bytes, hash_file
-from ckptflow.trainer.dcpmeta import read_dcp_metadata
+from ckptflow.trainer.format.checksum import digest_file, hash_bytes, hash_file
+from ckptflow.trainer.format.dcpmeta import read_dcp_metadata
 from tests.helpers import run_script, script_result
 from tests.unit.test_directio import directio_works
 
@@ -177,7 +177,7 @@ DTENSORS = textwrap.dedent("""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
     from ckptflow.trainer import fastwrite
-    from ckptflow.trainer.dcpmeta import read_dcp_metadata
+    from ckptflow.trainer.format.dcpmeta import read_dcp_metadata
     from ckptflow.trainer.distenv import init_distributed
 
     env = init_distributed()

@@ -14,7 +14,7 @@ import pytest
 
 from ckptflow.tasks import forkserver
 from ckptflow.tasks.verify import run_sanity, validate_expectations
-from ckptflow.trainer import layout
+from ckptflow.trainer.format import layout
 from tests.helpers import PY, REPO, alive, cold_objects, cold_steps, step_dir, torchrun_env, write_config
 
 

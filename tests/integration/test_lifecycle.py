@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from ckptflow.trainer import layout
+from ckptflow.trainer.format import layout
 from ckptflow.trainer.resume import find_resume_point
 from tests.helpers import (
     PY,
@@ -99,7 +99,7 @@ def _tamper(ckpt: str, fn) -> None:
     script = f"""
 import json, os, shutil, tempfile, torch, torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
-from ckptflow.trainer.checksum import hash_file
+from ckptflow.trainer.format.checksum import hash_file
 ckpt = {ckpt!r}
 tmp = tempfile.mkdtemp()
 dcp_to_torch_save(ckpt, tmp + "/full.pt")

@@ -8,9 +8,9 @@ import shutil
 
 import pytest
 
-from ckptflow.trainer import layout
 from ckptflow.trainer.errors import ConfigError, ManifestError, UnsafePathError
-from ckptflow.trainer.manifest import KEY_ENV, FileEntry, Manifest
+from ckptflow.trainer.format import layout
+from ckptflow.trainer.format.manifest import KEY_ENV, FileEntry, Manifest
 from tests.helpers import PY, REPO
 
 

@@ -19,8 +19,8 @@ import pytest
 
 from ckptflow.harness import NodeAgents, stop_group
 from ckptflow.tasks.storage import Tier
-from ckptflow.trainer import layout
 from ckptflow.trainer.events import read_outbox
+from ckptflow.trainer.format import layout
 from tests.helpers import PY, REPO
 
 RUN = "nl"
@@ -199,10 +199,12 @@ def _warm_cold(tmp_path, s3_endpoint, bucket) -> tuple[Tier, Tier]:
 def test_two_nodes_by_two_ranks_every_checkpoint_ends_whole_on_warm_and_cold(
     deployed, tmp_path, s3_endpoint, s3_bucket
 ):
-    roots = _train(tmp_path, nproc=2, replicas=1)  # no replicas: each node's part only exists there
+    # One checkpoint: the node demo (tests/e2e) takes three through the same path; this one adds
+    # two ranks per node, the parts' records and what `ls` says on a node.
+    roots = _train(tmp_path, nproc=2, replicas=1, steps=4)  # no replicas: each node's part only exists there
     cfgs, general = _setup(tmp_path, s3_endpoint, s3_bucket, roots)
     commits = _commits(roots)
-    assert [c["step"] for c in commits] == [4, 8] and all(
+    assert [c["step"] for c in commits] == [4] and all(
         c["scope"] == "node" and len(c["nodes"]) == 2 for c in commits
     )
     w = Workers(deployed, tmp_path)
@@ -212,10 +214,10 @@ def test_two_nodes_by_two_ranks_every_checkpoint_ends_whole_on_warm_and_cold(
         outs = [_lifecycle(c, general) for c in commits]
     finally:
         w.stop_all()
-    assert [o["status"] for o in outs] == ["done", "done"], outs
+    assert [o["status"] for o in outs] == ["done"], outs
     warm, cold = _warm_cold(tmp_path, s3_endpoint, s3_bucket)
-    assert warm.committed_steps(RUN) == [8, 4] and cold.committed_steps(RUN) == [8, 4]
-    for s in (4, 8):
+    assert warm.committed_steps(RUN) == [4] and cold.committed_steps(RUN) == [4]
+    for s in (4,):
         ck = warm.open_checkpoint(RUN, s)
         assert sorted(ck.index.files) == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp"]
         rec_dir = layout.lifecycle_dir(warm.url_for(RUN), s)
@@ -223,11 +225,11 @@ def test_two_nodes_by_two_ranks_every_checkpoint_ends_whole_on_warm_and_cold(
         assert sorted(os.listdir(os.path.join(rec_dir, layout.PARTS_DIR))) == sorted(
             [f"{n}.json" for n in cfgs] + ["manifest.json"]
         )
-    v = json.loads(open(os.path.join(layout.lifecycle_dir(warm.url_for(RUN), 8), "verified.json")).read())
+    v = json.loads(open(os.path.join(layout.lifecycle_dir(warm.url_for(RUN), 4), "verified.json")).read())
     assert v["sanity"]["probe_match"] == "bitwise"
     for root in roots:  # hot keeps 1 by policy, and that is the newest global commit
-        assert Tier(_hot(root)).committed_steps(RUN) == [8]
-    assert not os.path.exists(warm.tmp_url(RUN, 8))
+        assert Tier(_hot(root)).committed_steps(RUN) == [4]
+    assert not os.path.exists(warm.tmp_url(RUN, 4))
     # ls from a node: which nodes committed each step, what this node holds, every part on warm
     r = subprocess.run(
         [PY, "-m", "ckptflow.cli.main", "ls", "--config", next(iter(cfgs.values())), "--json"],
@@ -238,9 +240,9 @@ def test_two_nodes_by_two_ranks_every_checkpoint_ends_whole_on_warm_and_cold(
     )
     assert r.returncode == 0, r.stderr
     rows = {x["step"]: x for x in json.loads(r.stdout)["checkpoints"]}
-    assert sorted(rows[8]["nodes"]) == sorted(cfgs) and rows[8]["replicas"] == 1
-    assert rows[8]["hot_part"][1] == 5 and 0 < rows[8]["hot_part"][0] < 5  # its part only: no replicas
-    assert set(rows[8]["parts"].values()) == {"committed"} and "hot" in rows[8]["tiers"]
+    assert sorted(rows[4]["nodes"]) == sorted(cfgs) and rows[4]["replicas"] == 1
+    assert rows[4]["hot_part"][1] == 5 and 0 < rows[4]["hot_part"][0] < 5  # its part only: no replicas
+    assert set(rows[4]["parts"].values()) == {"committed"} and "hot" in rows[4]["tiers"]
 
 
 def _hot(root: str):

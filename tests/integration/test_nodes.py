@@ -16,7 +16,8 @@ import time
 import pytest
 
 from ckptflow.harness import NodeAgents
-from ckptflow.trainer import faults, layout
+from ckptflow.trainer import faults
+from ckptflow.trainer.format import layout
 from ckptflow.trainer.reference.metrics import read_metrics
 from ckptflow.trainer.verify import verify_checkpoint, verify_parts
 
@@ -36,13 +37,13 @@ def _run_dir(root: str) -> str:
 
 
 def _latest(root: str) -> int | None:
-    from ckptflow.trainer.commit import read_latest
+    from ckptflow.trainer.format.commit import read_latest
 
     return read_latest(_run_dir(root))
 
 
 def _steps(root: str) -> list[int]:
-    from ckptflow.trainer.commit import committed_steps
+    from ckptflow.trainer.format.commit import committed_steps
 
     return committed_steps(_run_dir(root))
 

@@ -136,7 +136,7 @@ def test_pip_installs_only_the_ckptflow_namespace(tmp_path):
         assert any(n.startswith("_memcopy.") and n.endswith(".so") for n in built), sorted(built)
     # and the installed copy imports from there, beside nothing else of ours
     r = _py(
-        "import ckptflow.trainer.layout as l, ckptflow.cli.main; print(l.__file__)",
+        "import ckptflow.trainer.format.layout as l, ckptflow.cli.main; print(l.__file__)",
         str(tmp_path),
         PYTHONPATH=str(target),
         PYTHONNOUSERSITE="1",

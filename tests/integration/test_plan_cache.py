@@ -19,10 +19,10 @@ SCRIPT = textwrap.dedent("""
     import torch
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.planner import SavePlanner
-    from ckptflow.trainer import layout
+    from ckptflow.trainer.format import layout
     from ckptflow.trainer.config import CheckpointConfig, Provenance
     from ckptflow.trainer.checkpointer import CheckpointManager
-    from ckptflow.trainer.dcpmeta import read_dcp_metadata
+    from ckptflow.trainer.format.dcpmeta import read_dcp_metadata
     from ckptflow.trainer.distenv import init_distributed
 
     env = init_distributed()
@@ -145,7 +145,7 @@ def test_a_failed_save_does_not_leave_a_stale_plan_for_its_layout(tmp_path, monk
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    from ckptflow.trainer.dcpmeta import read_dcp_metadata
+    from ckptflow.trainer.format.dcpmeta import read_dcp_metadata
     from ckptflow.trainer.saver import canonical_planner, drop_cached_plans
 
     key = "test-failed-save"

@@ -11,7 +11,7 @@ import os
 import subprocess
 import textwrap
 
-from ckptflow.trainer import layout
+from ckptflow.trainer.format import layout
 from tests.helpers import PY, REPO, torchrun_env
 
 SCRIPT = textwrap.dedent("""

@@ -15,9 +15,9 @@ from ckptflow.tasks.retention import CheckpointInfo, KeepBestN, KeepEveryKSteps,
 from ckptflow.tasks.storage import Tier, acquire_lease
 from ckptflow.tasks.storage.leases import write_lease
 from ckptflow.tasks.transfer import archive, promote
-from ckptflow.trainer import layout
+from ckptflow.trainer.format import layout
+from ckptflow.trainer.format.manifest import read_manifest
 from ckptflow.trainer.fsutil import write_durable
-from ckptflow.trainer.manifest import read_manifest
 
 
 def clone_step(run: str, src: int, dst: int, loss: float | None = None) -> None:

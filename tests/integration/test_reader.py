@@ -16,15 +16,15 @@ import textwrap
 
 import pytest
 
-from ckptflow.trainer.checksum import MAX_BLOCKS, MIN_BLOCK, FileDigest, block_digest, block_size_for
 from ckptflow.trainer.errors import ManifestError
-from ckptflow.trainer.manifest import FileEntry, Manifest
+from ckptflow.trainer.format.checksum import MAX_BLOCKS, MIN_BLOCK, FileDigest, block_digest, block_size_for
+from ckptflow.trainer.format.manifest import FileEntry, Manifest
 from tests.helpers import run_script, script_result
 
 SCRIPT = textwrap.dedent("""
     import json, os, shutil, sys
     import torch
-    from ckptflow.trainer import checksum
+    from ckptflow.trainer.format import checksum
     checksum.MIN_BLOCK = 4096  # dozens of blocks for a tiny model
     from ckptflow.trainer.config import CheckpointConfig, Provenance
     from ckptflow.trainer.checkpointer import CheckpointManager
@@ -104,7 +104,7 @@ SCRIPT = textwrap.dedent("""
     #    the bad one, fails on it, falls back; step 1's load then overwrites every destination
     shutil.copytree(run, os.path.join(root, "flip"))
     f2 = os.path.join(root, "flip", "step_000000002", os.path.basename(data))
-    from ckptflow.trainer.dcpmeta import read_dcp_metadata
+    from ckptflow.trainer.format.dcpmeta import read_dcp_metadata
     where = next(v for k, v in read_dcp_metadata(d2).storage_data.items() if k.fqn == "model.a.weight")
     assert where.relative_path == os.path.basename(data)
     out["flip_block"] = (where.offset + where.length // 2) // 4096
@@ -363,7 +363,7 @@ def test_a_stream_says_how_far_it_is_and_waits_past_an_offset(tmp_path, monkeypa
     import threading
 
     from ckptflow.trainer import memcopy, verifiedcopy
-    from ckptflow.trainer.checksum import CHUNK
+    from ckptflow.trainer.format.checksum import CHUNK
     from ckptflow.trainer.verifiedcopy import Streamer
 
     if one_call and not memcopy.STREAM_IN:

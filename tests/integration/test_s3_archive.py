@@ -15,11 +15,11 @@ from ckptflow.tasks.config import TierConfig
 from ckptflow.tasks.storage import Tier
 from ckptflow.tasks.storage.s3 import META_CODEC, META_RAW, META_STORED
 from ckptflow.tasks.transfer import archive, fetch, promote, restore
-from ckptflow.trainer import layout
-from ckptflow.trainer.checksum import hash_file
 from ckptflow.trainer.errors import CheckpointNotFoundError, IntegrityError, ManifestError
+from ckptflow.trainer.format import layout
+from ckptflow.trainer.format.checksum import hash_file
+from ckptflow.trainer.format.manifest import FileEntry, Manifest
 from ckptflow.trainer.fsutil import write_durable
-from ckptflow.trainer.manifest import FileEntry, Manifest
 from ckptflow.trainer.verify import verify_checkpoint
 
 

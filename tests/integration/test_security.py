@@ -23,10 +23,10 @@ import pytest
 
 from ckptflow.tasks.config import TierConfig
 from ckptflow.tasks.storage import Tier
-from ckptflow.trainer import layout
-from ckptflow.trainer.checksum import hash_file
 from ckptflow.trainer.errors import CheckpointNotFoundError, CkptflowError, IntegrityError, UnsafePathError
-from ckptflow.trainer.manifest import KEY_BLOCK_ENV, KEY_ENV
+from ckptflow.trainer.format import layout
+from ckptflow.trainer.format.checksum import hash_file
+from ckptflow.trainer.format.manifest import KEY_BLOCK_ENV, KEY_ENV
 from tests.helpers import PY, REPO, free_port, make_run, step_dir, torchrun_env
 
 KEY = "ckptflow-test-signing-key-0123456789"

@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 
-from ckptflow.trainer import layout
+from ckptflow.trainer.format import layout
 from tests.helpers import PY, REPO, metrics, run_torchrun, step_dir, torchrun_env
 
 ARGS = ["--model", "tiny", "--max-steps", "6", "--save-every", "2"]
@@ -48,7 +48,7 @@ SCRIPT = textwrap.dedent("""
     import os, torch, torch.distributed.checkpoint as dcp
     from ckptflow.trainer.distenv import init_distributed, shutdown
     from ckptflow.trainer.saver import AsyncSaver, SaveRequest
-    from ckptflow.trainer.manifest import Manifest
+    from ckptflow.trainer.format.manifest import Manifest
     env = init_distributed()
     w = torch.arange(1 << 16, dtype=torch.float32)
     root = os.environ["ROOT"]; os.makedirs(root, exist_ok=True)

@@ -95,7 +95,7 @@ def test_of_two_lifecycles_of_one_checkpoint_only_one_holds_it(tmp_path):
     import os
 
     from ckptflow.tasks.heartbeat import HEARTBEAT, Heartbeat, LifecycleBusy
-    from ckptflow.trainer import layout
+    from ckptflow.trainer.format import layout
 
     with Heartbeat(str(tmp_path), 4, owner={"flow_run_id": "a"}):
         with pytest.raises(LifecycleBusy, match="another lifecycle is running"):

@@ -16,8 +16,8 @@ from ckptflow.tasks.storage import StoredFile, Tier, TierIndex, acquire_lease, a
 from ckptflow.tasks.storage.index import marker_json
 from ckptflow.tasks.storage.leases import write_lease
 from ckptflow.tasks.transfer import archive, fetch
-from ckptflow.trainer import commit, layout
 from ckptflow.trainer.errors import CheckpointNotFoundError, ConfigError, ManifestError, UnsafePathError
+from ckptflow.trainer.format import commit, layout
 
 
 @pytest.fixture

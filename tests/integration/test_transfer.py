@@ -13,8 +13,8 @@ import pytest
 from ckptflow.tasks.config import TierConfig
 from ckptflow.tasks.storage import Tier, acquire_lease, active_leases
 from ckptflow.tasks.transfer import compress, fetch, promote, restore
-from ckptflow.trainer import layout
 from ckptflow.trainer.errors import CheckpointNotFoundError, ConfigError, IntegrityError, StorageError
+from ckptflow.trainer.format import layout
 from ckptflow.trainer.fsutil import write_durable
 from ckptflow.trainer.verify import verify_checkpoint
 

@@ -11,9 +11,9 @@ import os
 import fsspec
 import pytest
 
-from ckptflow.trainer import layout
-from ckptflow.trainer.atomicity import DELETING_SUFFIX, RENAME, MarkerCommit, RenameCommit
 from ckptflow.trainer.errors import StorageError
+from ckptflow.trainer.format import layout
+from ckptflow.trainer.format.atomicity import DELETING_SUFFIX, RENAME, MarkerCommit, RenameCommit
 
 
 def _stage(rule, fs, run: str, step: int) -> str:

@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 
 from ckptflow.tasks.codec import ContainerError, DtypeMap, Range, get_codec
 from ckptflow.tasks.codec.bytegroup import BytegroupCodec
-from ckptflow.trainer.checksum import hash_bytes
 from ckptflow.trainer.errors import CodecError
+from ckptflow.trainer.format.checksum import hash_bytes
 
 CHUNK = 4096  # the smallest chunk: small inputs still span many chunks
 DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "complex64": 8, "int32": 4, "int8": 1, "bool": 1}

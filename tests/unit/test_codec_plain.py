@@ -9,8 +9,8 @@ import pytest
 import zstandard
 
 from ckptflow.tasks.codec import available_codecs, get_codec
-from ckptflow.trainer.checksum import hash_bytes
 from ckptflow.trainer.errors import CodecError
+from ckptflow.trainer.format.checksum import hash_bytes
 
 RAW = os.urandom(200_000) + bytes(3_000_000) + b"tail" * 1000
 

@@ -9,8 +9,8 @@ import warnings
 import pytest
 import torch
 
-from ckptflow.trainer.dcpmeta import loads_dcp_metadata, read_dcp_metadata
 from ckptflow.trainer.errors import IntegrityError
+from ckptflow.trainer.format.dcpmeta import loads_dcp_metadata, read_dcp_metadata
 
 
 @pytest.fixture(scope="module")

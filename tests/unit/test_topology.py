@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from ckptflow.trainer import transport
 from ckptflow.trainer.errors import ConfigError
-from ckptflow.trainer.topology import Topology, _domains
+from ckptflow.trainer.nodes import transport
+from ckptflow.trainer.nodes.topology import Topology, _domains
 
 RUN = "mn"
 

@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from ckptflow.trainer.checksum import hash_bytes
 from ckptflow.trainer.errors import ConfigError
+from ckptflow.trainer.format.checksum import hash_bytes
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -11,7 +11,7 @@ import json
 import os
 from typing import Any
 
-from ckptflow.trainer import layout
+from ckptflow.trainer.format import layout
 
 
 def metrics_path(run_path: str) -> str:

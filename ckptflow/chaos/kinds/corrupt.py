@@ -35,8 +35,8 @@ from ckptflow.chaos.campaign import Campaign
 from ckptflow.chaos.model import TrialPlan, TrialResult
 from ckptflow.chaos.workspace import Scratch, list_keys
 from ckptflow.tasks.transfer import fetch
-from ckptflow.trainer import layout
 from ckptflow.trainer.errors import CkptflowError
+from ckptflow.trainer.format import layout
 from ckptflow.trainer.verify import verify_checkpoint
 
 DAMAGES = ("bitflip", "truncate", "missing", "edit_manifest", "marker_no_objects", "objects_no_marker", "stale_latest")

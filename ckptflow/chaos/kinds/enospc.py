@@ -24,7 +24,7 @@ from ckptflow.chaos import checks, procs
 from ckptflow.chaos.campaign import SAVE_EVERY, TRAIN_STEPS, Campaign
 from ckptflow.chaos.model import TrialPlan, TrialResult
 from ckptflow.chaos.workspace import RUN_ID
-from ckptflow.trainer import commit, layout
+from ckptflow.trainer.format import commit, layout
 from ckptflow.trainer.verify import verify_checkpoint
 
 KiB = 1024

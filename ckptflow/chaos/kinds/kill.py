@@ -29,7 +29,8 @@ from ckptflow.chaos.campaign import SAVE_EVERY, TRAIN_STEPS, Campaign
 from ckptflow.chaos.model import TrialPlan, TrialResult
 from ckptflow.chaos.workspace import RUN_ID
 from ckptflow.tasks import records, stages
-from ckptflow.trainer import commit, events, layout
+from ckptflow.trainer import events
+from ckptflow.trainer.format import commit, layout
 from ckptflow.trainer.verify import verify_checkpoint
 
 TRAINER_PHASES = ("step", "write", "shards", "after_shards", "after_manifest", "after_rename", "after_latest")

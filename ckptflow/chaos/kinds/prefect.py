@@ -39,7 +39,8 @@ from ckptflow.chaos.model import TrialPlan, TrialResult
 from ckptflow.chaos.s3proxy import FaultProxy
 from ckptflow.chaos.servers import BlackHole, free_port
 from ckptflow.tasks import records, stages
-from ckptflow.trainer import commit, events, layout
+from ckptflow.trainer import events
+from ckptflow.trainer.format import commit, layout
 
 MODES = ("train-refuse", "train-hang", "train-restart", "flow-restart", "flow-flaky", "flow-kill")
 STEPS, EVERY, SLEEP = 6, 2, 0.2

@@ -33,8 +33,8 @@ from ckptflow.tasks.prune import prune
 from ckptflow.tasks.retention import build_policy
 from ckptflow.tasks.storage import Tier
 from ckptflow.tasks.transfer import archive
-from ckptflow.trainer import layout
 from ckptflow.trainer.errors import CkptflowError
+from ckptflow.trainer.format import layout
 
 STORM = 0.6
 

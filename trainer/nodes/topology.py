@@ -14,7 +14,7 @@ needs every node to commit its part), so the trainer finds out:
 
 One domain: the root is shared (one node, or a shared file system) and today's single
 commit applies. Several: the roots are node-local and the two-level commit
-(``trainer/nodes.py``) applies. ``CheckpointConfig(hot_scope=...)`` may say which is
+(``trainer/nodes/twolevel.py``) applies. ``CheckpointConfig(hot_scope=...)`` may say which is
 expected; what is found is checked against it, never taken on trust.
 
 Each node's root keeps a node id (``_node.json``, created once per disk): a replaced
@@ -34,8 +34,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ckptflow.trainer import layout
 from ckptflow.trainer.errors import ConfigError
+from ckptflow.trainer.format import layout
 from ckptflow.trainer.fsutil import replace_atomic
 
 SCOPES = ("auto", "node", "shared")

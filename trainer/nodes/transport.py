@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckptflow.trainer.checksum import new_hasher
+from ckptflow.trainer.format.checksum import new_hasher
 from ckptflow.trainer.fsutil import fsync_dir
 
 CHUNK_BYTES = 32 << 20  # measured: 4 MiB 298, 16 MiB 270, 64 MiB 358 MB/s per direction (loopback gloo)

@@ -26,8 +26,8 @@ from __future__ import annotations
 import os
 from typing import Any, Protocol
 
-from ckptflow.trainer import layout
 from ckptflow.trainer.errors import StorageError
+from ckptflow.trainer.format import layout
 from ckptflow.trainer.fsutil import fsync_dir, remove_tree, rename_durable
 
 DELETING_SUFFIX = ".deleting"

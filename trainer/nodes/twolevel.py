@@ -13,7 +13,7 @@ the commit thread of every rank (``AsyncSaver``), all collectives on the checkpo
  3    rank 0 -> all      broadcast: the manifest's bytes and ``.metadata``'s (or the
                          failure: then every node drops its ``.tmp``, SaveError)
  4    pairs of ranks     replication: every shard file goes to the ``replicas - 1`` next
-                         nodes on a ring (``trainer/transport.py``), checked on arrival
+                         nodes on a ring (``trainer/nodes/transport.py``), checked on arrival
  5    all-gather         everyone learns whether every transfer succeeded
  6    node leaders       each node's part made durable in its ``.tmp``: ``.metadata``,
                          then ``manifest.json`` last (a ``.tmp`` with its manifest is a
@@ -48,14 +48,15 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ckptflow.trainer import layout, transport
-from ckptflow.trainer.atomicity import RENAME
-from ckptflow.trainer.checksum import hash_bytes
 from ckptflow.trainer.errors import CheckpointNotFoundError, CkptflowError, IntegrityError
+from ckptflow.trainer.format import layout
+from ckptflow.trainer.format.atomicity import RENAME
+from ckptflow.trainer.format.checksum import hash_bytes
+from ckptflow.trainer.format.manifest import MAX_MANIFEST_BYTES, Manifest
 from ckptflow.trainer.fsutil import fsync_dir, remove_tree, write_durable
-from ckptflow.trainer.manifest import MAX_MANIFEST_BYTES, Manifest
-from ckptflow.trainer.topology import Topology
-from ckptflow.trainer.transport import Transfer
+from ckptflow.trainer.nodes import transport
+from ckptflow.trainer.nodes.topology import Topology
+from ckptflow.trainer.nodes.transport import Transfer
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +164,8 @@ class NodeSave:
 
     def commit(self) -> str:
         """Phase 8 (node leaders): the node's commit point, then ``latest``."""
-        from ckptflow.trainer import commit, faults
+        from ckptflow.trainer import faults
+        from ckptflow.trainer.format import commit
 
         final = layout.join(self.run_path, layout.step_name(self.step))
         if not self.topo.is_leader:
@@ -224,7 +226,7 @@ def recover(run_path: str, topo: Topology, group: Any) -> dict[str, Any]:
     committed_anywhere = {s for d in topo.domains for s in facts[d[0]]["committed"]}
     out: dict[str, Any] = {"rolled_forward": [], "removed": []}
     if topo.is_leader:
-        from ckptflow.trainer import commit
+        from ckptflow.trainer.format import commit
 
         prepared, other = _prepared(run_path)
         for s in prepared:
@@ -272,7 +274,7 @@ class NodeResume:
 
 def _holdings(run_path: str, key: bytes | None) -> dict[int, dict[str, Any]]:
     """Per committed step on this node: its manifest's digest and the files present (by size)."""
-    from ckptflow.trainer import commit
+    from ckptflow.trainer.format import commit
 
     out: dict[int, dict[str, Any]] = {}
     for s in RENAME.committed_steps(run_path):
@@ -345,7 +347,7 @@ def resume_point(
     """Agree on the newest recoverable step, bring every node what its ranks will read, and
     verify it (module docstring). ``needs(step_dir, manifest)`` -> the files this rank's load
     reads (its DCP load plan); called once ``.metadata`` is local and verified."""
-    from ckptflow.trainer import commit
+    from ckptflow.trainer.format import commit
     from ckptflow.trainer.verify import verify_checkpoint
 
     world = dist.get_world_size(group)

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ckptflow.trainer import layout
 from ckptflow.trainer.errors import IntegrityError
+from ckptflow.trainer.format import layout
 
 # A .metadata larger than this is not DCP's (a 100k-tensor model writes tens of MB).
 MAX_METADATA_BYTES = 1 << 30

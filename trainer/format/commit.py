@@ -21,10 +21,11 @@ from __future__ import annotations
 import logging
 import os
 
-from ckptflow.trainer import faults, layout
-from ckptflow.trainer.atomicity import RENAME
+from ckptflow.trainer import faults
+from ckptflow.trainer.format import layout
+from ckptflow.trainer.format.atomicity import RENAME
+from ckptflow.trainer.format.manifest import Manifest
 from ckptflow.trainer.fsutil import remove_tree, replace_atomic, write_durable
-from ckptflow.trainer.manifest import Manifest
 
 log = logging.getLogger(__name__)
 

@@ -22,9 +22,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptflow.trainer import layout
-from ckptflow.trainer.checksum import ALGORITHM, BLOCK_HEX
 from ckptflow.trainer.errors import ConfigError, IntegrityError, ManifestError, UnsafePathError
+from ckptflow.trainer.format import layout
+from ckptflow.trainer.format.checksum import ALGORITHM, BLOCK_HEX
 
 FORMAT = "ckptflow.manifest"
 FORMAT_VERSION = 1
