@@ -204,9 +204,7 @@ def test_two_nodes_by_two_ranks_every_checkpoint_ends_whole_on_warm_and_cold(
     roots = _train(tmp_path, nproc=2, replicas=1, steps=4)  # no replicas: each node's part only exists there
     cfgs, general = _setup(tmp_path, s3_endpoint, s3_bucket, roots)
     commits = _commits(roots)
-    assert [c["step"] for c in commits] == [4] and all(
-        c["scope"] == "node" and len(c["nodes"]) == 2 for c in commits
-    )
+    assert [c["step"] for c in commits] == [4] and all(c["scope"] == "node" and len(c["nodes"]) == 2 for c in commits)
     w = Workers(deployed, tmp_path)
     try:
         for node, cfg in cfgs.items():
