@@ -59,7 +59,7 @@ def test_the_replay_matches_a_real_run_with_failures(tmp_path):
     """A real torchrun job, SIGKILLed at exponential times, against ``ckptflow goodput``'s replay of
     the same kill times for the run's own measured costs.
 
-    The benchmark (docs/benchmarks.md, "Goodput") meets the 2-point target in six runs; here 3
+    The benchmark (docs/benchmarks.md, "Goodput") meets the 2-point target in every recorded run; here 3
     points, because one CI run on a loaded machine shows how the model strains when failures
     come faster than restarts finish: at MTBF 20 s, 6 of 14 kills hit a restart, restarts
     varied 4-14 s, and the run's median gap between attempts (the replay's one restart cost)
