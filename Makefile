@@ -23,13 +23,11 @@ demo: setup
 # tests/e2e (the README's paths, started as a user starts them). Most tests wait on child
 # processes and servers more than they compute: on 2 cores four workers (one test file each at a
 # time, so a module's fixtures start once) keep both cores busy where two left a third idle.
-# Files go out in collection order, the longest first (tests/conftest.py): xdist's default
-# reorder by test count sent the one-test end-to-end files last, and the run ended on them alone.
 # The few that assert timings run alone afterwards (marker `serial`).
 TEST_WORKERS ?= 4
 
 test: setup
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial" --durations=30
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" --durations=30
 	$(BIN)/python -m pytest -q -m serial --durations=5
 
 test-fast: setup

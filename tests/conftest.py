@@ -25,27 +25,6 @@ from filelock import FileLock
 from ckptflow.harness import MotoServer
 from tests.helpers import last_per_step, make_run, metrics, run_torchrun
 
-# The longest files first. `make test` hands whole files to its workers in collection order; a
-# long file collected late ran alone at the end while the other workers had finished (2 cores,
-# one busy). Longest first leaves the short files to fill in at the end.
-LONGEST_FIRST = (
-    "tests/e2e/test_node_demo.py",
-    "tests/integration/test_node_lifecycle.py",
-    "tests/e2e/test_chaos_campaign.py",
-    "tests/e2e/test_demo.py",
-    "tests/e2e/test_fleet.py",
-)
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    rank = {p: i for i, p in enumerate(LONGEST_FIRST)}
-    root = str(config.rootpath)
-
-    def key(item: pytest.Item) -> int:
-        return rank.get(os.path.relpath(str(item.path), root), len(rank))
-
-    items.sort(key=key)  # stable: the rest keep their order
-
 
 @pytest.fixture(scope="session")
 def s3_endpoint():
