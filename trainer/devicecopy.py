@@ -4,7 +4,7 @@ A load verifies each block of a mapped checkpoint file and then copies its bytes
 destination (``trainer/verifiedcopy.py``). For a tensor on a CUDA device, ``dst.copy_(src)``
 from the mapped file is a copy from *pageable* memory: the driver stages it through a bounce
 buffer of its own and returns only when it is done, and every thread's copies queue on the one
-default stream. Each 1 MiB piece was such a synchronous copy (the eleventh session's GPU check:
+default stream. Each 1 MiB piece was such a synchronous copy (measured on an H200:
 a load into CUDA took 1.5x the same load into host memory).
 
 Here the load's threads copy each matched block's bytes into page-locked (pinned) memory
