@@ -60,15 +60,14 @@ def test_the_replay_matches_a_real_run_with_failures(tmp_path):
     the same kill times for the run's own measured costs.
 
     The benchmark (docs/benchmarks.md, "Goodput") meets the 2-point target in every recorded run; here 3
-    points, because one CI run on a loaded machine shows how the model strains when failures
-    come faster than restarts finish: at MTBF 20 s, 6 of 14 kills hit a restart, restarts
-    varied 4-14 s, and the run's median gap between attempts (the replay's one restart cost)
-    came out 9.9 s — the replay was 5 points pessimistic. So the MTBF here is well above the
-    restart time, as it is on a real cluster (hours against minutes)."""
+    points. The MTBF stays well above the restart time, as on a real cluster (hours against
+    minutes): at 20 s on a loaded machine, failures came faster than restarts finished and the
+    replay was 5 points pessimistic. This seed draws 4 kills in about 80 s at MTBF 30 s; alone
+    on 2 cores its replay was within 1.0 point of the real run in each of 3 runs."""
     from ckptflow.realrun import check, run_with_failures
 
-    run = run_with_failures(str(tmp_path), mtbf_s=45.0, max_steps=1200, interval=25, seed=4)
+    run = run_with_failures(str(tmp_path), mtbf_s=30.0, max_steps=700, interval=25, seed=4)
     c = check(run, str(tmp_path))
-    assert c.kills >= 1, c.to_json()
+    assert c.kills >= 2, c.to_json()
     assert 0.3 < c.real < 0.99
     assert abs(c.diff_points) <= 3.0, c.to_json()

@@ -196,53 +196,6 @@ def _warm_cold(tmp_path, s3_endpoint, bucket) -> tuple[Tier, Tier]:
     return Tier(cfg.warm), Tier(cfg.cold)
 
 
-def test_two_nodes_by_two_ranks_every_checkpoint_ends_whole_on_warm_and_cold(
-    deployed, tmp_path, s3_endpoint, s3_bucket
-):
-    # One checkpoint: the node demo (tests/e2e) takes three through the same path; this one adds
-    # two ranks per node, the parts' records and what `ls` says on a node.
-    roots = _train(tmp_path, nproc=2, replicas=1, steps=4)  # no replicas: each node's part only exists there
-    cfgs, general = _setup(tmp_path, s3_endpoint, s3_bucket, roots)
-    commits = _commits(roots)
-    assert [c["step"] for c in commits] == [4] and all(c["scope"] == "node" and len(c["nodes"]) == 2 for c in commits)
-    w = Workers(deployed, tmp_path)
-    try:
-        for node, cfg in cfgs.items():
-            w.start(node, cfg)
-        outs = [_lifecycle(c, general) for c in commits]
-    finally:
-        w.stop_all()
-    assert [o["status"] for o in outs] == ["done"], outs
-    warm, cold = _warm_cold(tmp_path, s3_endpoint, s3_bucket)
-    assert warm.committed_steps(RUN) == [4] and cold.committed_steps(RUN) == [4]
-    for s in (4,):
-        ck = warm.open_checkpoint(RUN, s)
-        assert sorted(ck.index.files) == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp"]
-        rec_dir = layout.lifecycle_dir(warm.url_for(RUN), s)
-        assert {"verified.json", "promoted.json", "archived.json", "pruned.json"} <= set(os.listdir(rec_dir))
-        assert sorted(os.listdir(os.path.join(rec_dir, layout.PARTS_DIR))) == sorted(
-            [f"{n}.json" for n in cfgs] + ["manifest.json"]
-        )
-    v = json.loads(open(os.path.join(layout.lifecycle_dir(warm.url_for(RUN), 4), "verified.json")).read())
-    assert v["sanity"]["probe_match"] == "bitwise"
-    for root in roots:  # hot keeps 1 by policy, and that is the newest global commit
-        assert Tier(_hot(root)).committed_steps(RUN) == [4]
-    assert not os.path.exists(warm.tmp_url(RUN, 4))
-    # ls from a node: which nodes committed each step, what this node holds, every part on warm
-    r = subprocess.run(
-        [PY, "-m", "ckptflow.cli.main", "ls", "--config", next(iter(cfgs.values())), "--json"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 0, r.stderr
-    rows = {x["step"]: x for x in json.loads(r.stdout)["checkpoints"]}
-    assert sorted(rows[4]["nodes"]) == sorted(cfgs) and rows[4]["replicas"] == 1
-    assert rows[4]["hot_part"][1] == 5 and 0 < rows[4]["hot_part"][0] < 5  # its part only: no replicas
-    assert set(rows[4]["parts"].values()) == {"committed"} and "hot" in rows[4]["tiers"]
-
-
 def _hot(root: str):
     from ckptflow.tasks.config import TierConfig
 
@@ -252,13 +205,20 @@ def _hot(root: str):
 def test_a_node_whose_worker_is_down_delays_only_its_part_and_reconcile_finishes(
     deployed, tmp_path, s3_endpoint, s3_bucket
 ):
-    roots = _train(tmp_path, nproc=1, replicas=1, steps=4)
+    """Two nodes by two ranks, no replicas (each node's part exists only there), and node 1's
+    worker down: the lifecycle fails naming it and warm holds nothing; once its worker is back,
+    reconcile takes the checkpoint whole to warm and cold, with every part's record, and ``ls``
+    on a node says which nodes committed it and what the node holds. (The node demo in tests/e2e
+    takes checkpoints through the same path from real commit events, one rank per node.)"""
+    roots = _train(tmp_path, nproc=2, replicas=1, steps=4)
     cfgs, general = _setup(tmp_path, s3_endpoint, s3_bucket, roots, part_timeout=20)
-    (commit,) = _commits(roots)
+    commits = _commits(roots)
+    assert [c["step"] for c in commits] == [4] and all(c["scope"] == "node" and len(c["nodes"]) == 2 for c in commits)
+    (commit,) = commits
     nodes = list(cfgs)
     down = nodes[1]
     w = Workers(deployed, tmp_path)
-    warm, _ = _warm_cold(tmp_path, s3_endpoint, s3_bucket)
+    warm, cold = _warm_cold(tmp_path, s3_endpoint, s3_bucket)
     try:
         w.start(nodes[0], cfgs[nodes[0]])
         w.wait_polling()  # the part timeout (20 s) times the down node, not this worker's start-up
@@ -284,7 +244,32 @@ def test_a_node_whose_worker_is_down_delays_only_its_part_and_reconcile_finishes
         assert out["nodes"][RUN]["processed"] == [{"step": 4, "status": "done"}], out
     finally:
         w.stop_all()
-    assert warm.committed_steps(RUN) == [4]
+    assert warm.committed_steps(RUN) == [4] and cold.committed_steps(RUN) == [4]
+    ck = warm.open_checkpoint(RUN, 4)
+    assert sorted(ck.index.files) == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp"]
+    rec_dir = layout.lifecycle_dir(warm.url_for(RUN), 4)
+    assert {"verified.json", "promoted.json", "archived.json", "pruned.json"} <= set(os.listdir(rec_dir))
+    assert sorted(os.listdir(os.path.join(rec_dir, layout.PARTS_DIR))) == sorted(
+        [f"{n}.json" for n in cfgs] + ["manifest.json"]
+    )
+    v = json.loads(open(os.path.join(rec_dir, "verified.json")).read())
+    assert v["sanity"]["probe_match"] == "bitwise"
+    for root in roots:  # hot keeps 1 by policy, and that is the newest global commit
+        assert Tier(_hot(root)).committed_steps(RUN) == [4]
+    assert not os.path.exists(warm.tmp_url(RUN, 4))
+    # ls from a node: which nodes committed each step, what this node holds, every part on warm
+    r = subprocess.run(
+        [PY, "-m", "ckptflow.cli.main", "ls", "--config", cfgs[nodes[0]], "--json"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    rows = {x["step"]: x for x in json.loads(r.stdout)["checkpoints"]}
+    assert sorted(rows[4]["nodes"]) == sorted(cfgs) and rows[4]["replicas"] == 1
+    assert rows[4]["hot_part"][1] == 5 and 0 < rows[4]["hot_part"][0] < 5  # its part only: no replicas
+    assert set(rows[4]["parts"].values()) == {"committed"} and "hot" in rows[4]["tiers"]
 
 
 def test_a_replaced_node_s_steps_finish_from_replicas(deployed, tmp_path, s3_endpoint, s3_bucket):
