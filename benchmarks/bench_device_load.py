@@ -74,9 +74,10 @@ def plain_checkpoint(path: str, state: dict[str, torch.Tensor]) -> Any:
 
 def load(path: str, manifest: Any, target: dict[str, torch.Tensor], threads: int | None = None) -> None:
     """ckptflow's verified load of ``path`` into ``target`` (one process); raises if it failed."""
+    from ckptflow.trainer.dcp.planner import SafeLoadPlanner
+    from ckptflow.trainer.dcp.reader import VerifiedReader
     from ckptflow.trainer.distenv import DistEnv
     from ckptflow.trainer.loader import load_local
-    from ckptflow.trainer.reader import SafeLoadPlanner, VerifiedReader
 
     mine = [n for n in manifest.files if n.startswith("__0_")]
     reader = (
@@ -111,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
 def run(path: str, mb: int, reps: int, device: torch.device) -> dict:
     import torch.distributed.checkpoint as dcp
 
-    from ckptflow.trainer import verifiedcopy
-    from ckptflow.trainer.reader import THREADS
+    from ckptflow.trainer.dcp import _verifiedcopy as verifiedcopy
+    from ckptflow.trainer.dcp.reader import THREADS
 
     state = tensors(mb)
     manifest = plain_checkpoint(path, state)

@@ -16,7 +16,7 @@ Then, alternating so all see the same machine state, each ``--reps`` times:
   ratio is the ceiling of any load against the verified read alone: a load does at least the read
   and the copy (printed as such);
 * **ckptflow load, cold / warm**: ``load_verified`` — the one read that verifies every byte
-  and fills the model (``trainer/reader.py``);
+  and fills the model (``trainer/dcp/reader.py``);
 * **DCP's own path, warm**: ``verify_checkpoint`` (read + hash) then ``dcp.load`` with its
   ``FileSystemReader`` (reads again, ``torch.load`` per item): what a resume cost before;
 * **resharding load, warm**: the world-size-2 checkpoint into this one process;
@@ -177,10 +177,10 @@ def run(one: str, two: str, model: str, reps: int) -> dict:
     import torch.distributed.checkpoint as dcp
 
     from ckptflow.trainer import memcopy
+    from ckptflow.trainer.dcp.reader import THREADS
     from ckptflow.trainer.distenv import init_distributed
     from ckptflow.trainer.format.manifest import read_manifest
     from ckptflow.trainer.loader import load_target, load_verified
-    from ckptflow.trainer.reader import THREADS
     from ckptflow.trainer.reference.build import TrainConfig, build
     from ckptflow.trainer.reference.model import ModelConfig
     from ckptflow.trainer.state import TrainState

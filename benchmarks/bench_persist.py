@@ -10,11 +10,11 @@ thread each, one 256x256 matmul per iteration: together they fill this machine's
 2 ranks of a 2-core job do), and report how many iterations they did in every window:
 
 * **dcp**: DCP's ``FileSystemWriter`` (``torch.save`` per tensor), then the file read back
-  and hashed: what a save did before ``trainer/fastwrite.py``;
+  and hashed: what a save did before ``trainer/dcp/writer.py``;
 * **ckptflow**: ``HashingWriter`` buffered (templates, CRC-32 by ISA-L, hashed as written); its
   templates are made by a first save that is not counted;
 * **ckptflow-direct**: ``HashingWriter`` with ``direct_io=True`` (``CheckpointConfig``'s opt-in): the
-  files written past the page cache (``trainer/directio.py``);
+  files written past the page cache (``trainer/dcp/_directio.py``);
 * **raw**: the same tensors' bytes written to one file and fsynced, nothing else: the floor
   of any writer that keeps the data;
 * **idle**: nothing written for as long as the dcp write took: the trainers' own rate.
@@ -89,7 +89,7 @@ def _dcp(sd: Any, path: str, fast: bool, direct: bool = False) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-    from ckptflow.trainer.fastwrite import HashingWriter
+    from ckptflow.trainer.dcp.writer import HashingWriter
     from ckptflow.trainer.format.checksum import hash_file
 
     writer = HashingWriter(path, sync_files=True, direct_io=direct) if fast else FileSystemWriter(path, sync_files=True)
@@ -102,7 +102,7 @@ def _dcp(sd: Any, path: str, fast: bool, direct: bool = False) -> None:
 
 
 def _raw(tensors: list, path: str) -> None:
-    from ckptflow.trainer.fastwrite import storage_bytes
+    from ckptflow.trainer.dcp.writer import storage_bytes
 
     with open(path, "wb", buffering=0) as f:
         for t in tensors:  # the state's own tensors: contiguous, each its whole storage

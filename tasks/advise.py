@@ -49,8 +49,8 @@ from typing import Any
 from ckptflow.trainer.errors import ConfigError
 from ckptflow.trainer.events import read_jsonl
 from ckptflow.trainer.optimum import (  # noqa: F401  (re-exported: the public names of this module)
-    _check,
     availability,
+    check_costs,
     daly_interval,
     exact_interval,
     waste_exact,
@@ -81,7 +81,7 @@ class Inputs:
     """Where each number came from ("--save-seconds", "metrics.jsonl: …")."""
 
     def __post_init__(self) -> None:
-        _check(save_s=self.save_s, restore_s=self.restore_s, step_s=self.step_s, mtbf_s=self.mtbf_s)
+        check_costs(save_s=self.save_s, restore_s=self.restore_s, step_s=self.step_s, mtbf_s=self.mtbf_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +121,7 @@ class Advice:
 
 def to_steps(interval_s: float, step_s: float) -> int:
     """An interval in whole steps (nearest, at least 1)."""
-    _check(interval_s=interval_s, step_s=step_s)
+    check_costs(interval_s=interval_s, step_s=step_s)
     return max(1, round(interval_s / step_s))
 
 

@@ -18,16 +18,16 @@ import torch
 
 try:
     # What a FileSystemWriter's WriteResult carries (file, offset, length) and the
-    # FileSystemReader looks up: our writer (fastwrite.py) produces the same results.
+    # FileSystemReader looks up: our writer (dcp/writer.py) produces the same results.
     from torch.distributed._shard._utils import narrow_tensor_by_index
     from torch.distributed._shard.sharded_tensor import ShardedTensor
 
-    # The reader (reader.py) plans reads as DCP's DefaultLoadPlanner does, with DCP's own
+    # The load planner (dcp/planner.py) plans reads as DCP's DefaultLoadPlanner does, with DCP's own
     # helpers, so a state dict flattens, chunks and narrows exactly as DCP would.
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
     # DCP's CPU stager behind DefaultStager: keeps one CPU buffer per live storage between
-    # saves; restage.py subclasses it to skip the deep copy around the buffers.
+    # saves; dcp/staging.py subclasses it to skip the deep copy around the buffers.
     from torch.distributed.checkpoint._state_dict_stager import StateDictStager
     from torch.distributed.checkpoint._traverse import set_element
     from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -62,13 +62,13 @@ def local_tensor(t: Any) -> torch.Tensor:
 
 def set_state_dict_stager(stager: Any, state_dict_stager: StateDictStager) -> None:
     """Give a ``DefaultStager`` the ``StateDictStager`` it copies with (it takes no argument for
-    one): restage.py's, which reuses the previous save's layout."""
+    one): dcp/staging.py's, which reuses the previous save's layout."""
     stager._state_dict_stager = state_dict_stager
 
 
 # DCP's plan caching (``DefaultSavePlanner(enable_plan_caching=True)``) keys its class-level
 # caches by ``_cached_plans_key``, the planner's class name: two managers in one process would
-# share (and corrupt) one entry. One key per saver keeps them apart, and saver.py drops the
+# share (and corrupt) one entry. One key per saver keeps them apart, and dcp/planner.py drops the
 # entries when the saver closes (they live as long as the process otherwise).
 PLAN_CACHES = (
     "_cached_save_plan",

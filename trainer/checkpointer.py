@@ -38,6 +38,9 @@ from ckptflow.trainer.restore import LoadResult, Resume, resume
 from ckptflow.trainer.saver import AsyncSaver, SaveRequest
 from ckptflow.trainer.state import LAYOUT, TrainState, build_save_state, rank_state, shared_state
 
+__all__ = ["CheckpointManager"]
+
+
 log = logging.getLogger(__name__)
 
 

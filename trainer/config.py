@@ -61,7 +61,7 @@ class CheckpointConfig:
     writer_threads: int = 1
     """DCP writer threads per rank."""
     direct_io: bool = False
-    """Write the data files past the page cache (``O_DIRECT``, ``trainer/directio.py``), buffered
+    """Write the data files past the page cache (``O_DIRECT``, ``trainer/dcp/_directio.py``), buffered
     where the file system refuses it. Off by default: on recycled page-cache pages it took the
     same CPU and longer wall time than buffered writes; it halved the persist threads' CPU only on
     a VM that backs guest pages lazily (docs/benchmarks.md, "Direct writes"). It also keeps

@@ -1,7 +1,7 @@
 """Verified bytes into GPU tensors: staged in pinned host memory, copied asynchronously, one stream a thread.
 
 A load verifies each block of a mapped checkpoint file and then copies its bytes to their
-destination (``trainer/verifiedcopy.py``). For a tensor on a CUDA device, ``dst.copy_(src)``
+destination (``trainer/dcp/_verifiedcopy.py``). For a tensor on a CUDA device, ``dst.copy_(src)``
 from the mapped file is a copy from *pageable* memory: the driver stages it through a bounce
 buffer of its own and returns only when it is done, and every thread's copies queue on the one
 default stream. Each 1 MiB piece was such a synchronous copy (measured on an H200:

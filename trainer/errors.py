@@ -11,6 +11,19 @@ Deliberately never ``BaseException``: DCP's ``CheckpointException`` derives from
 
 from __future__ import annotations
 
+__all__ = [
+    "CheckpointNotFoundError",
+    "CkptflowError",
+    "CodecError",
+    "ConfigError",
+    "IntegrityError",
+    "ManifestError",
+    "MismatchError",
+    "SaveError",
+    "StorageError",
+    "UnsafePathError",
+]
+
 
 class CkptflowError(Exception):
     """Root of every error ckptflow raises on purpose."""

@@ -27,6 +27,26 @@ from datetime import UTC, datetime
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.fsutil import append_durable
 
+__all__ = [
+    "ARCHIVED",
+    "COMMITTED",
+    "DRILL_COMPLETED",
+    "DRILL_FAILED",
+    "EventSender",
+    "FAILED",
+    "PROMOTED",
+    "PRUNED",
+    "VERIFIED",
+    "append_outbox",
+    "event_id",
+    "make_event",
+    "post_events",
+    "read_jsonl",
+    "read_outbox",
+    "resource_id",
+]
+
+
 log = logging.getLogger(__name__)
 
 # Every event ckptflow sends, named once (the trainer sends the first; the flows the rest).

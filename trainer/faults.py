@@ -30,6 +30,9 @@ import signal
 import time
 from dataclasses import dataclass
 
+__all__ = ["ENV", "FaultSpec", "SNAPSHOT_OF", "SNAPSHOT_TO", "also_kill", "maybe_crash", "parse"]
+
+
 ENV = "CKPTFLOW_FAULT"
 SNAPSHOT_OF = "CKPTFLOW_SNAPSHOT_OF"
 SNAPSHOT_TO = "CKPTFLOW_SNAPSHOT_TO"

@@ -11,6 +11,16 @@ import os
 import shutil
 import uuid
 
+__all__ = [
+    "append_durable",
+    "fsync_dir",
+    "fsync_file",
+    "remove_tree",
+    "rename_durable",
+    "replace_atomic",
+    "write_durable",
+]
+
 
 def fsync_file(path: str | os.PathLike) -> None:
     fd = os.open(path, os.O_RDONLY)

@@ -35,6 +35,9 @@ import torch.distributed as dist
 
 from ckptflow.trainer.optimum import availability, exact_interval
 
+__all__ = ["AutoInterval", "CHANGE", "Decision", "INTERVAL_LOG", "MIN_STALL_S", "Measured"]
+
+
 log = logging.getLogger(__name__)
 
 INTERVAL_LOG = "interval.jsonl"

@@ -73,9 +73,9 @@ def files_read(step_dir: str, target: dict[str, Any], metadata: Any = None) -> s
     """The files a ``dcp.load`` of ``target`` from ``step_dir`` reads on this rank: DCP's own
     load plan (so resharding at another world size is accounted for), with ``.metadata``
     parsed by the restricted reader — call it only once ``.metadata`` matched its manifest."""
+    from ckptflow.trainer.dcp.planner import SafeLoadPlanner
     from ckptflow.trainer.format import layout
     from ckptflow.trainer.format.dcpmeta import read_dcp_metadata
-    from ckptflow.trainer.reader import SafeLoadPlanner
 
     md = metadata if metadata is not None else read_dcp_metadata(step_dir)
     planner = SafeLoadPlanner()  # DCP's plan, item for item (tests/integration/test_fastload.py), built faster
@@ -89,7 +89,7 @@ def load_verified(
 ) -> dict[str, Any]:
     """``dcp.load`` the checkpoint in ``path`` — its manifest authenticated, its files not yet read.
 
-    Every byte is read once, through :class:`~ckptflow.trainer.reader.VerifiedReader`: each
+    Every byte is read once, through :class:`~ckptflow.trainer.dcp.reader.VerifiedReader`: each
     file is checked against ``manifest`` as it is read and before any of it is handed on, and
     nothing is unpickled. A file that does not match raises ``IntegrityError`` on every rank
     (:func:`load_local` agrees on the outcome), so the caller can fall back together. DCP reshards to
@@ -97,7 +97,8 @@ def load_verified(
     """
     model, optimizer, scheduler, scaler = state.model, state.optimizer, state.scheduler, state.scaler
     sampler, extra = state.sampler, state.extra
-    from ckptflow.trainer.reader import SafeLoadPlanner, VerifiedReader
+    from ckptflow.trainer.dcp.planner import SafeLoadPlanner
+    from ckptflow.trainer.dcp.reader import VerifiedReader
 
     # At the saving world size a rank reads mostly the files it wrote: their digests start while
     # DCP plans the load (a guess only: read_data verifies whatever the plan reads).

@@ -12,8 +12,18 @@ import math
 
 from ckptflow.trainer.errors import ConfigError
 
+__all__ = [
+    "availability",
+    "check_costs",
+    "daly_interval",
+    "exact_interval",
+    "waste_exact",
+    "waste_first_order",
+    "young_interval",
+]
 
-def _check(**values: float) -> None:
+
+def check_costs(**values: float) -> None:
     for name, v in values.items():
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
             raise ConfigError(f"{name}={v!r} must be a finite number")
@@ -29,13 +39,13 @@ def _check(**values: float) -> None:
 
 def young_interval(save_s: float, mtbf_s: float) -> float:
     """Young's first-order optimum ``sqrt(2·S·M)`` (minimises :func:`waste_first_order`)."""
-    _check(save_s=save_s, mtbf_s=mtbf_s)
+    check_costs(save_s=save_s, mtbf_s=mtbf_s)
     return math.sqrt(2.0 * save_s * mtbf_s)
 
 
 def daly_interval(save_s: float, mtbf_s: float) -> float:
     """Daly's higher-order estimate of the exact optimum (``M`` once ``S >= 2M``)."""
-    _check(save_s=save_s, mtbf_s=mtbf_s)
+    check_costs(save_s=save_s, mtbf_s=mtbf_s)
     if save_s >= 2.0 * mtbf_s:
         return mtbf_s
     x = save_s / (2.0 * mtbf_s)
@@ -49,7 +59,7 @@ def exact_interval(save_s: float, mtbf_s: float) -> float:
     strictly decreasing there (``g(0) = e^{S/M} − 1 > 0``, ``g(1) = −1``). ``g`` is
     evaluated as ``expm1(u + d) − u·e^{u + d}`` to keep precision when ``S ≪ M``.
     """
-    _check(save_s=save_s, mtbf_s=mtbf_s)
+    check_costs(save_s=save_s, mtbf_s=mtbf_s)
     d = save_s / mtbf_s
     lo, hi = 0.0, 1.0
     for _ in range(200):
@@ -70,13 +80,13 @@ def exact_interval(save_s: float, mtbf_s: float) -> float:
 def waste_first_order(interval_s: float, save_s: float, restore_s: float, mtbf_s: float) -> float:
     """``S/T + (T/2 + R)/M``: expected fraction of wall time lost (first order; can exceed 1
     for absurd inputs, where the first-order model no longer holds)."""
-    _check(interval_s=interval_s, save_s=save_s, restore_s=restore_s, mtbf_s=mtbf_s)
+    check_costs(interval_s=interval_s, save_s=save_s, restore_s=restore_s, mtbf_s=mtbf_s)
     return save_s / interval_s + (interval_s / 2.0 + restore_s) / mtbf_s
 
 
 def availability(interval_s: float, save_s: float, restore_s: float, mtbf_s: float) -> float:
     """Expected fraction of wall time spent on new training (exact model, in (0, 1))."""
-    _check(interval_s=interval_s, save_s=save_s, restore_s=restore_s, mtbf_s=mtbf_s)
+    check_costs(interval_s=interval_s, save_s=save_s, restore_s=restore_s, mtbf_s=mtbf_s)
     t, s, r, m = interval_s, save_s, restore_s, mtbf_s
     # log form: no overflow for T+S ≫ M, and expm1 keeps precision for T+S ≪ M
     log_den = r / m + _log_expm1((t + s) / m) + math.log(m)

@@ -24,6 +24,16 @@ from ckptflow.trainer.format import commit, layout
 from ckptflow.trainer.format.manifest import Manifest
 from ckptflow.trainer.verify import check_present, share_of_files, verify_checkpoint
 
+__all__ = [
+    "Candidate",
+    "ResumeReport",
+    "check_provenance",
+    "find_resume_point",
+    "no_checkpoint_error",
+    "verify_together",
+]
+
+
 log = logging.getLogger(__name__)
 
 
@@ -47,7 +57,7 @@ def verify_together(path: str, rank: int, world: int, group, *, deep: bool = Tru
 
     ``deep``: each rank hashes its share of the files. Not deep: the manifest is read and
     authenticated and every listed file must exist with its size (no bytes read) — the load
-    then verifies every byte as it reads it (``trainer/reader.py``), so resume reads each byte
+    then verifies every byte as it reads it (``trainer/dcp/reader.py``), so resume reads each byte
     once instead of twice.
     """
     whole = verify_checkpoint(path, only=[])  # manifest only: cheap, every rank reads it

@@ -61,7 +61,7 @@ PAD = 4096
 ``decode`` never reads). A rank's entry holds numbers whose text grows and shrinks by a few
 bytes between saves (Python's RNG state is 625 ints in JSON; a data position); an entry whose
 size changes changes that rank's DCP save plan, and a changed plan defeats DCP's plan caching
-(``saver.canonical_planner``): the global plan is rebuilt and pickled through a gather and a
+(``dcp.planner.canonical_planner``): the global plan is rebuilt and pickled through a gather and a
 scatter again, ~50 ms of CPU per save for the reference model. Seen at 4 of 9 saves before
 this; the cost is at most 4 KiB per rank."""
 

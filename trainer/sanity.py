@@ -41,6 +41,9 @@ from ckptflow.trainer.loader import load_verified
 from ckptflow.trainer.resume import verify_together
 from ckptflow.trainer.state import TrainState
 
+__all__ = ["BUILDERS_ENV", "allowed_builders", "import_builder", "main", "resolve_builder", "run", "tensor_stats"]
+
+
 BUILDERS_ENV = "CKPTFLOW_SANITY_BUILDERS"
 
 

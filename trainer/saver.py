@@ -41,27 +41,18 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import StagingOptions
 
 from ckptflow.trainer import faults
-from ckptflow.trainer._torch_private import (
-    PLAN_CACHES,
-    cached_local_plan,
-    pending_local_plan,
-    plan_cache_key,
-    set_plan_cache_key,
-    set_state_dict_stager,
-)
 from ckptflow.trainer.config import ASYNC_MODES
+from ckptflow.trainer.dcp.planner import canonical_planner, drop_cached_plans
+from ckptflow.trainer.dcp.staging import ReusingStager
+from ckptflow.trainer.dcp.writer import HashingWriter
 from ckptflow.trainer.errors import SaveError
-from ckptflow.trainer.fastwrite import HashingWriter
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.format.checksum import digest_file
 from ckptflow.trainer.format.manifest import FileEntry, Manifest
 from ckptflow.trainer.nodes.topology import Topology, single
-from ckptflow.trainer.restage import ReusingStateDictStager, layout_of
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +118,7 @@ class _Lane:
 
 
 class _FaultingWriter(HashingWriter):
-    """The data-file writer (``fastwrite.py``) with the ``write``/``shards`` fault points (tests,
+    """The data-file writer (``dcp/writer.py``) with the ``write``/``shards`` fault points (tests,
     chaos drills)."""
 
     def __init__(self, path: str, step: int, **kw: Any) -> None:
@@ -139,73 +130,6 @@ class _FaultingWriter(HashingWriter):
         fut = super().write_data(plan, planner)
         faults.maybe_crash("shards", self.step)
         return fut
-
-
-def canonical_planner(cache_key: str | None = None) -> DefaultSavePlanner:
-    """DCP's planner, writing every replicated entry from the lowest rank that has it — rank 0.
-
-    DCP's default writes each replicated entry from whichever rank is least loaded, assuming
-    the copies are equal. They are not always: DDP's buffers differ between ranks until the
-    next forward broadcasts rank 0's, and a checkpoint stitched from several ranks (``bn1``
-    from one, ``bn2`` from another) restores a model no rank ever had. Rank 0 is DDP's own
-    canonical rank; what really is per rank goes into each rank's own entry (``state.py``).
-
-    ``cache_key``: reuse the plans of the previous save under that key (DCP's plan caching). A
-    rank whose plan has not changed sends an empty one and the coordinator reuses the global
-    plan, so the plans are not pickled through the gather and scatter at every save: ~28 ms of
-    CPU per save on rank 0 here, an eighth of a save's background CPU (docs/benchmarks.md). A
-    changed plan is still sent and merged. DCP keys its cache (class attributes) by class name;
-    one key per saver keeps two managers in one process apart (:func:`drop_cached_plans`).
-    With a key, the local plan itself is not rebuilt either while the state's layout is the
-    previous save's (:class:`_LayoutCachedPlanner`).
-    """
-    if cache_key is None:
-        return DefaultSavePlanner(dedup_save_to_lowest_rank=True)
-    planner = _LayoutCachedPlanner(dedup_save_to_lowest_rank=True, enable_plan_caching=True)
-    set_plan_cache_key(planner, cache_key)
-    return planner
-
-
-_LOCAL_LAYOUTS: dict[str, tuple] = {}
-"""Per plan-cache key: ((layout, coordinator role), the local plan made from it)."""
-
-
-class _LayoutCachedPlanner(DefaultSavePlanner):
-    """DCP's planner that skips rebuilding an unchanged local plan.
-
-    DCP's plan caching still builds the local plan at every save, to compare it with the cached
-    one: a write item per tensor (for a ``DTensor`` its local shape and global offset, through
-    DTensor's dispatcher), ~50 ms of CPU per save for the small reference model. The plan is a
-    function of the state's layout — keys, tensor types, dtypes, shapes, strides, ``DTensor``
-    placements — which ``restage.layout_of`` compares in ~1 ms. Same layout and role: the cached
-    plan is this save's, and the rank sends the empty plan DCP itself sends for an unchanged one.
-    """
-
-    def create_local_plan(self) -> SavePlan:
-        key = plan_cache_key(self)
-        here = layout_of(self.state_dict)
-        seen = (here, self.is_coordinator) if here is not None else None
-        cached = cached_local_plan(self)
-        known = _LOCAL_LAYOUTS.get(key)
-        # The cached plan object itself must be the one made from this layout: DCP caches a plan
-        # only once its save's global plan succeeded, so after a failed save they can differ.
-        if seen is not None and cached is not None and known is not None and known[0] == seen and known[1] is cached:
-            self.plan = cached
-            return SavePlan([], usable=False)
-        out = super().create_local_plan()
-        made = pending_local_plan(self) or cached  # new (cached when it succeeds), or equal
-        if seen is None or made is None:
-            _LOCAL_LAYOUTS.pop(key, None)
-        else:
-            _LOCAL_LAYOUTS[key] = (seen, made)
-        return out
-
-
-def drop_cached_plans(cache_key: str) -> None:
-    """Forget DCP's cached plans for ``cache_key`` (they live as long as the process otherwise)."""
-    for name in PLAN_CACHES:
-        getattr(SavePlanner, name, {}).pop(cache_key, None)
-    _LOCAL_LAYOUTS.pop(cache_key, None)
 
 
 def my_files(all_files: set[str], rank: int, world: int) -> list[str]:
@@ -248,14 +172,6 @@ def _entry(writer: HashingWriter, name: str) -> FileEntry:
     if d is None or os.stat(path).st_size != d.size:
         d = digest_file(path)
     return FileEntry(d.size, d.hexdigest(), d.block, d.blocks())
-
-
-class _ReusingStager(DefaultStager):
-    """DCP's stager, restaging an unchanged layout by copies alone (``restage.py``)."""
-
-    def __init__(self, options: StagingOptions) -> None:
-        super().__init__(options)
-        set_state_dict_stager(self, ReusingStateDictStager(pin_memory=options.use_pinned_memory, share_memory=False))
 
 
 @dataclass
@@ -308,7 +224,7 @@ class AsyncSaver:
         self.direct_io = direct_io
         # Reused across saves: its CPU buffers are allocated once, then copied into.
         self._stager = (
-            _ReusingStager(
+            ReusingStager(
                 StagingOptions(
                     use_pinned_memory=False,
                     use_shared_memory=False,

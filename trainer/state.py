@@ -37,6 +37,30 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+__all__ = [
+    "LAYOUT",
+    "OPTIM_STATE",
+    "RANKS",
+    "RNG_TAG",
+    "TRAIN_TAG",
+    "TrainState",
+    "apply_loaded_state",
+    "buffer_keys",
+    "build_load_target",
+    "build_save_state",
+    "capture_rng",
+    "prefill_optimizer_state",
+    "rank_state",
+    "reseed_rng",
+    "restore_rng",
+    "rng_key",
+    "shared_state",
+    "states_equal",
+    "train_state",
+    "unwrap",
+    "wrap",
+]
+
 
 @dataclass(frozen=True, eq=False)
 class TrainState:
@@ -159,7 +183,7 @@ def build_save_state(
 
     Model/optimizer tensors are *views* of live state, copied later by the async
     stager; everything else is a private copy made now. Replicated entries (the model
-    under DDP, ``train``) are written from rank 0 (``saver.py``'s planner); each rank's own
+    under DDP, ``train``) are written from rank 0 (``dcp/planner.py``); each rank's own
     RNG, ``per_rank`` state (sampler, ``extra``) and module buffers go into its own entry,
     because those are not equal across ranks: BatchNorm statistics under FSDP, or under DDP
     until the next forward broadcasts rank 0's.

@@ -18,6 +18,18 @@ from ckptflow.trainer.format import layout
 from ckptflow.trainer.format.checksum import hash_file
 from ckptflow.trainer.format.manifest import Manifest, read_manifest
 
+__all__ = [
+    "Problem",
+    "VerifyResult",
+    "check_file",
+    "check_present",
+    "is_node_part",
+    "resolve_member",
+    "share_of_files",
+    "verify_checkpoint",
+    "verify_parts",
+]
+
 
 @dataclass(frozen=True, slots=True)
 class Problem:

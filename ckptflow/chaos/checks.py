@@ -171,9 +171,9 @@ class NoUnpickle:
 
     def __enter__(self) -> NoUnpickle:
         if not NoUnpickle._installed:
-            from ckptflow.trainer.format.dcpmeta import _MetadataUnpickler
+            from ckptflow.trainer.format.dcpmeta import MetadataUnpickler
 
-            NoUnpickle._restricted_code = _MetadataUnpickler.find_class.__code__
+            NoUnpickle._restricted_code = MetadataUnpickler.find_class.__code__
             sys.addaudithook(NoUnpickle._hook)
             NoUnpickle._installed = True
         self.events: list[tuple[str, str]] = []

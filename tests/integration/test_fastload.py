@@ -1,4 +1,4 @@
-"""The load's fixed costs cut (trainer/reader.py, trainer/tensoritem.py, trainer/loader.py):
+"""The load's fixed costs cut (trainer/dcp/reader.py, trainer/dcp/_tensoritem.py, trainer/loader.py):
 DCP's plan built without its resharding sweep where chunks line up, items located from a layout
 seen before, plain byte items read without torch's loader, and the load without DCP's plan
 exchange — each checked against what DCP itself does, plus a real 2-rank fallback."""
@@ -21,9 +21,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from ckptflow.trainer.dcp._tensoritem import NOT_PLAIN, Locator, plain_item, tensor_item
+from ckptflow.trainer.dcp.planner import SafeLoadPlanner
 from ckptflow.trainer.errors import IntegrityError
-from ckptflow.trainer.reader import SafeLoadPlanner
-from ckptflow.trainer.tensoritem import NOT_PLAIN, Locator, plain_item, tensor_item
 from tests.helpers import flip_byte, run_script, run_torchrun, script_result, step_dir
 
 
@@ -114,7 +114,7 @@ def test_plan_of_a_whole_tensor_from_saved_shards_is_dcps_read_for_read(monkeypa
     def swept(*a: object) -> None:
         raise AssertionError("planned through DCP's sweep")
 
-    monkeypatch.setattr("ckptflow.trainer.reader._create_read_items", swept)
+    monkeypatch.setattr("ckptflow.trainer.dcp.planner._create_read_items", swept)
     assert _fields(_plans(state, md)[1]) == _fields(ref)  # and without it
 
 
@@ -140,7 +140,7 @@ def test_plan_of_chunks_outside_the_tensor_goes_to_dcps_path():
     ],
 )
 def test_a_region_of_a_saved_tensor_is_one_run_only_where_its_narrowed_view_is(shape, offsets, lengths, run):
-    from ckptflow.trainer.reader import _run_start
+    from ckptflow.trainer.dcp.reader import _run_start
 
     t = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
     ti = tensor_item(_saved(t), "x")
@@ -175,7 +175,7 @@ DTENSOR = textwrap.dedent("""
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from ckptflow.trainer.distenv import init_distributed
     from ckptflow.trainer.format.dcpmeta import read_dcp_metadata
-    from ckptflow.trainer.reader import SafeLoadPlanner
+    from ckptflow.trainer.dcp.planner import SafeLoadPlanner
     env = init_distributed()
     mesh = init_device_mesh("cpu", (env.world_size,))
     torch.manual_seed(0)
@@ -370,7 +370,7 @@ def test_a_warm_file_s_pages_are_mapped_into_the_process_by_the_streamer(tmp_pat
     their cost here): the streaming thread maps its pages while the load is planned."""
     import mmap
 
-    from ckptflow.trainer.verifiedcopy import FAULT_AROUND, Streamer, _looks_resident
+    from ckptflow.trainer.dcp._verifiedcopy import FAULT_AROUND, Streamer, _looks_resident
 
     path = tmp_path / "f"
     path.write_bytes(os.urandom(8 << 20))
@@ -391,7 +391,7 @@ def test_a_warm_file_s_pages_are_mapped_into_the_process_by_the_streamer(tmp_pat
 COLD = textwrap.dedent("""
     import json, os
     import torch
-    from ckptflow.trainer import reader
+    from ckptflow.trainer.dcp import reader
     from ckptflow.trainer.config import CheckpointConfig, Provenance
     from ckptflow.trainer.checkpointer import CheckpointManager
     from ckptflow.trainer.distenv import init_distributed

@@ -1,4 +1,4 @@
-"""The data-file writer (trainer/fastwrite.py): torch.save's own container, hashed as written."""
+"""The data-file writer (trainer/dcp/writer.py): torch.save's own container, hashed as written."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 
-from ckptflow.trainer import fastwrite, zipfmt
+from ckptflow.trainer.dcp import _zipfmt as zipfmt
+from ckptflow.trainer.dcp import writer as fastwrite
 from ckptflow.trainer.format.checksum import digest_file, hash_bytes, hash_file
 from ckptflow.trainer.format.dcpmeta import read_dcp_metadata
 from tests.helpers import run_script, script_result
@@ -176,7 +177,7 @@ DTENSORS = textwrap.dedent("""
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-    from ckptflow.trainer import fastwrite
+    from ckptflow.trainer.dcp import writer as fastwrite
     from ckptflow.trainer.format.dcpmeta import read_dcp_metadata
     from ckptflow.trainer.distenv import init_distributed
 

@@ -1,4 +1,4 @@
-"""DCP's plan caching under ``canonical_planner(cache_key)`` (``trainer/saver.py``).
+"""DCP's plan caching under ``canonical_planner(cache_key)`` (``trainer/dcp/planner.py``).
 
 A save whose plan is unchanged reuses the previous one; a plan that changes (a parameter group
 added to the optimizer between saves, as when layers are unfrozen) is sent and merged; two managers in one process, with
@@ -145,8 +145,8 @@ def test_a_failed_save_does_not_leave_a_stale_plan_for_its_layout(tmp_path, monk
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+    from ckptflow.trainer.dcp.planner import canonical_planner, drop_cached_plans
     from ckptflow.trainer.format.dcpmeta import read_dcp_metadata
-    from ckptflow.trainer.saver import canonical_planner, drop_cached_plans
 
     key = "test-failed-save"
     a = {"w": torch.ones(4)}

@@ -1,4 +1,4 @@
-"""The verified load (``trainer/reader.py``): block digests, copies as blocks match, fallbacks.
+"""The verified load (``trainer/dcp/reader.py``): block digests, copies as blocks match, fallbacks.
 
 One real process (world size 1, gloo) saves through ``CheckpointManager`` with small blocks
 (4 KiB, so a tiny model spans dozens), then loads into freshly initialised objects and compares
@@ -144,7 +144,7 @@ SCRIPT = textwrap.dedent("""
 
     # 5. warm files (all of these are in the page cache now): their items are located in batches
     #    while the threads verify, each batch's copies scheduled before the next is located
-    from ckptflow.trainer import reader
+    from ckptflow.trainer.dcp import reader
     reader.LOCATE_BATCH = 2
     batches = []
     locate = reader.VerifiedReader._locate
@@ -293,7 +293,7 @@ def _file_with_blocks(tmp_path, nbytes: int, block: int):  # noqa: ANN001, ANN20
     """A real file, mapped, and its blocks with their digests (as ``blocks_of`` builds them)."""
     import mmap
 
-    from ckptflow.trainer.verifiedcopy import Block
+    from ckptflow.trainer.dcp._verifiedcopy import Block
 
     data = os.urandom(nbytes)
     path = tmp_path / "f.bin"
@@ -318,7 +318,7 @@ def test_copies_added_before_or_after_their_blocks_matched_copy_only_matched_byt
     matched, and every copy ends whole — also a strided one spanning blocks."""
     import torch
 
-    from ckptflow.trainer.verifiedcopy import Copy, Schedule, run_pieces
+    from ckptflow.trainer.dcp._verifiedcopy import Copy, Schedule, run_pieces
 
     data, _, mapped, blocks = _file_with_blocks(tmp_path, 4096 * 6, 4096)
     src = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
@@ -362,9 +362,10 @@ def test_a_stream_says_how_far_it_is_and_waits_past_an_offset(tmp_path, monkeypa
     Streamed by the C extension's ``stream_in`` and by ``sendfile`` from Python alike."""
     import threading
 
-    from ckptflow.trainer import memcopy, verifiedcopy
+    from ckptflow.trainer import memcopy
+    from ckptflow.trainer.dcp import _verifiedcopy as verifiedcopy
+    from ckptflow.trainer.dcp._verifiedcopy import Streamer
     from ckptflow.trainer.format.checksum import CHUNK
-    from ckptflow.trainer.verifiedcopy import Streamer
 
     if one_call and not memcopy.STREAM_IN:
         pytest.skip("no C extension")
@@ -400,8 +401,9 @@ def test_a_run_verified_in_one_call_copies_pieces_added_meanwhile_and_stops_at_a
 
     import torch
 
-    from ckptflow.trainer import memcopy, verifiedcopy
-    from ckptflow.trainer.verifiedcopy import Copy, Schedule, verify_run
+    from ckptflow.trainer import memcopy
+    from ckptflow.trainer.dcp import _verifiedcopy as verifiedcopy
+    from ckptflow.trainer.dcp._verifiedcopy import Copy, Schedule, verify_run
 
     data, _, mapped, blocks = _file_with_blocks(tmp_path, 4096 * 6, 4096)
     src = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)

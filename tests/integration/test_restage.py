@@ -1,4 +1,4 @@
-"""Staging by copies alone when the layout is unchanged (``trainer/restage.py``).
+"""Staging by copies alone when the layout is unchanged (``trainer/dcp/staging.py``).
 
 The stager must hand DCP a copy equal to the live state at the moment of staging, whatever it
 reuses: new values in reused buffers, this save's scalars (a learning rate), storages shared as
@@ -12,7 +12,7 @@ import textwrap
 
 import torch
 
-from ckptflow.trainer.restage import ReusingStateDictStager
+from ckptflow.trainer.dcp.staging import ReusingStateDictStager
 from tests.helpers import run_script, script_result
 
 
@@ -71,7 +71,7 @@ def test_fsdp_dtensors_are_restaged_in_a_process_group():
         import torch, torch.distributed as dist
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.checkpoint.state_dict import get_state_dict
-        from ckptflow.trainer.restage import ReusingStateDictStager
+        from ckptflow.trainer.dcp.staging import ReusingStateDictStager
 
         store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
         dist.init_process_group("gloo", store=store, rank=0, world_size=1)

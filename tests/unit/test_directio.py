@@ -1,4 +1,4 @@
-"""Data files written past the page cache (``trainer/directio.py``).
+"""Data files written past the page cache (``trainer/dcp/_directio.py``).
 
 Every length around the alignment and the buffer comes out byte for byte, at its real size; a
 file system that refuses O_DIRECT at open (tmpfs) and a device that refuses an aligned direct
@@ -12,8 +12,8 @@ import os
 
 import pytest
 
-from ckptflow.trainer import directio
-from ckptflow.trainer.directio import ALIGN, MEMMOVE_FROM, DirectFile
+from ckptflow.trainer.dcp import _directio as directio
+from ckptflow.trainer.dcp._directio import ALIGN, MEMMOVE_FROM, DirectFile
 
 BUF = 4 * ALIGN  # a small buffer, so the tests cross its end often
 

@@ -64,3 +64,50 @@ def test_the_trainer_never_imports_prefect_or_the_layers_above(path):
 def test_tasks_never_import_the_flows_or_the_cli(path):
     bad = [n for n in _imports(path) if n.startswith(("ckptflow.flows", "ckptflow.cli"))]
     assert bad == [], path
+
+
+def _module_name(path: str) -> str:
+    return "ckptflow." + path[: -len(".py")].replace(os.sep, ".").removesuffix(".__init__")
+
+
+def _trainer_imports_from_outside() -> list[tuple[str, str, str]]:
+    """(importing file, trainer module, name) for every ``from ckptflow.trainer... import name``
+    in the layers above the trainer."""
+    out = []
+    for folder in ("tasks", "flows", "ckptflow"):
+        for path in _modules(folder):
+            with open(os.path.join(REPO, path)) as f:
+                tree = ast.parse(f.read(), path)
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ckptflow.trainer"):
+                    out += [(path, node.module, a.name) for a in node.names]
+    return out
+
+
+def test_the_layers_above_use_only_the_trainer_s_public_names():
+    """A trainer module is public when it declares ``__all__``; the rest (and every ``_`` module)
+    are the trainer's internals. The layers above import public modules, and from them only the
+    names in ``__all__``: the boundary is in the code, not in a convention."""
+    import importlib
+
+    bad = []
+    for path, module, name in _trainer_imports_from_outside():
+        if module.startswith("ckptflow.trainer.reference"):
+            continue  # the reference job: a training loop of its own, used as one
+        mod = importlib.import_module(module)
+        if hasattr(mod, name) and isinstance(getattr(mod, name), type(os)):
+            mod, name = getattr(mod, name), "*"  # `from ckptflow.trainer import events`: the module itself
+        public = getattr(mod, "__all__", None)
+        private = any(part.startswith("_") for part in mod.__name__.split("."))
+        if private or public is None or (name != "*" and name not in public):
+            bad.append(f"{path}: {module}.{name}")
+    assert bad == [], bad
+
+
+@pytest.mark.parametrize("path", [p for p in _modules("trainer") if "reference" not in p])
+def test_a_public_trainer_module_exports_what_it_defines(path):
+    import importlib
+
+    mod = importlib.import_module(_module_name(path))
+    names = getattr(mod, "__all__", [])
+    assert all(hasattr(mod, n) for n in names if n not in getattr(mod, "_LAZY", {})), path

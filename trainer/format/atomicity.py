@@ -30,6 +30,9 @@ from ckptflow.trainer.errors import StorageError
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.fsutil import fsync_dir, remove_tree, rename_durable
 
+__all__ = ["CommitRule", "DELETING_SUFFIX", "MarkerCommit", "RENAME", "RenameCommit"]
+
+
 DELETING_SUFFIX = ".deleting"
 """A step dir being deleted on a file system: never committed, removed by ``clean_stale``."""
 

@@ -14,6 +14,24 @@ from typing import BinaryIO
 
 import xxhash
 
+__all__ = [
+    "ALGORITHM",
+    "BLOCK_ALGORITHM",
+    "BLOCK_HEX",
+    "CHUNK",
+    "FileDigest",
+    "MAX_BLOCKS",
+    "MIN_BLOCK",
+    "block_digest",
+    "block_size_for",
+    "digest_file",
+    "hash_bytes",
+    "hash_file",
+    "hash_stream",
+    "new_hasher",
+]
+
+
 ALGORITHM = "xxh3_128"
 CHUNK = 8 << 20  # 8 MiB: large enough to run at full speed, small enough to stream
 

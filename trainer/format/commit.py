@@ -27,6 +27,9 @@ from ckptflow.trainer.format.atomicity import RENAME
 from ckptflow.trainer.format.manifest import Manifest
 from ckptflow.trainer.fsutil import remove_tree, replace_atomic, write_durable
 
+__all__ = ["clean_stale_tmp", "commit_checkpoint", "committed_steps", "is_quarantined", "read_latest", "write_latest"]
+
+
 log = logging.getLogger(__name__)
 
 

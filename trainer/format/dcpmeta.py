@@ -25,6 +25,9 @@ from torch.distributed.checkpoint.metadata import Metadata
 from ckptflow.trainer.errors import IntegrityError
 from ckptflow.trainer.format import layout
 
+__all__ = ["MAX_METADATA_BYTES", "MetadataUnpickler", "loads_dcp_metadata", "read_dcp_metadata"]
+
+
 # A .metadata larger than this is not DCP's (a 100k-tensor model writes tens of MB).
 MAX_METADATA_BYTES = 1 << 30
 
@@ -76,7 +79,7 @@ _TORCH_DTYPES = frozenset(n for n in dir(torch) if isinstance(getattr(torch, n, 
 _ALLOWED["torch"] = frozenset({"Size"}) | _TORCH_DTYPES
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+class MetadataUnpickler(pickle.Unpickler):
     def __init__(self, f: io.BufferedIOBase, source: str) -> None:
         super().__init__(f)
         self._source = source
@@ -103,7 +106,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 def loads_dcp_metadata(data: bytes, *, source: str) -> Metadata:
     """Parse ``.metadata`` bytes with the restricted unpickler; ``source`` names them in errors."""
     try:
-        md = _MetadataUnpickler(io.BytesIO(data), source).load()
+        md = MetadataUnpickler(io.BytesIO(data), source).load()
     except IntegrityError:
         raise
     except Exception as e:  # truncated, garbage, or a class whose constructor refused its args

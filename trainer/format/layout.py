@@ -26,6 +26,43 @@ import re
 
 from ckptflow.trainer.errors import ConfigError, UnsafePathError
 
+__all__ = [
+    "COMMIT_MARKER",
+    "DCP_METADATA",
+    "EXPECTATIONS",
+    "HEARTBEAT",
+    "LATEST",
+    "LEASES_DIR",
+    "LIFECYCLE_DIR",
+    "MANIFEST",
+    "METRICS",
+    "NODE_ID",
+    "OUTBOX",
+    "PARTS_DIR",
+    "PINS_DIR",
+    "QUARANTINE_RECORD",
+    "SCOPE_DIR",
+    "STATS",
+    "STEP_DIGITS",
+    "STEP_PREFIX",
+    "TIER_MANIFEST",
+    "TMP_SUFFIX",
+    "check_member_name",
+    "check_run_id",
+    "join",
+    "lifecycle_dir",
+    "parse_step",
+    "parse_tmp_step",
+    "pin_path",
+    "quarantine_record",
+    "run_dir",
+    "stage_record",
+    "step_dir",
+    "step_name",
+    "tmp_name",
+]
+
+
 STEP_PREFIX = "step_"
 STEP_DIGITS = 9
 TMP_SUFFIX = ".tmp"

@@ -26,6 +26,19 @@ from ckptflow.trainer.errors import ConfigError, IntegrityError, ManifestError, 
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.format.checksum import ALGORITHM, BLOCK_HEX
 
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "FileEntry",
+    "KEY_BLOCK_ENV",
+    "KEY_ENV",
+    "MAX_MANIFEST_BYTES",
+    "Manifest",
+    "read_manifest",
+    "signing_key",
+]
+
+
 FORMAT = "ckptflow.manifest"
 FORMAT_VERSION = 1
 KEY_ENV = "CKPTFLOW_MANIFEST_KEY"

@@ -38,6 +38,9 @@ from ckptflow.trainer.errors import ConfigError
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.fsutil import replace_atomic
 
+__all__ = ["SCOPES", "Topology", "discover", "node_id", "single"]
+
+
 SCOPES = ("auto", "node", "shared")
 
 

@@ -58,6 +58,18 @@ from ckptflow.trainer.nodes import transport
 from ckptflow.trainer.nodes.topology import Topology
 from ckptflow.trainer.nodes.transport import Transfer
 
+__all__ = [
+    "NodeResume",
+    "NodeSave",
+    "PLACEMENT",
+    "not_recoverable_error",
+    "placement",
+    "recover",
+    "replication_plan",
+    "resume_point",
+]
+
+
 log = logging.getLogger(__name__)
 
 PLACEMENT = "placement"

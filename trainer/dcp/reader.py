@@ -8,14 +8,14 @@ stay standard DCP, vanilla PyTorch still reads them — differently:
 * ``.metadata``: read, its size and xxh3 checked against the manifest, then parsed by the
   restricted reader of ``trainer/format/dcpmeta.py`` (an allow-list of DCP's own classes);
 * data files: mapped, and verified block by block against the block digests the manifest
-  records (``trainer/verifiedcopy.py``), on every core; each block's bytes are copied to their
+  records (``trainer/dcp/_verifiedcopy.py``), on every core; each block's bytes are copied to their
   destination tensors as soon as that block matched, while they are in cache — never before.
   A block that does not match fails the load (on every rank: ``loader.load_local`` agrees on
   the outcome; resume falls back to an older checkpoint, as for a bad checksum, and that load
   overwrites every destination). Files
   listed without block digests (older manifests) are verified whole, then copied;
 * tensor items (each a ``torch.save`` zip): located in the zip without unpickling
-  (``trainer/tensoritem.py``; items laid out like one already seen in this load from its
+  (``trainer/dcp/_tensoritem.py``; items laid out like one already seen in this load from its
   layout, checked), copied byte range by byte range where saved and wanted layouts
   line up, else through a view narrowed to the wanted chunk (resharding);
 * byte items (plain Python values DCP keeps as ``torch.save`` pickles, such as an optimizer's
@@ -58,27 +58,18 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from ckptflow.trainer import memcopy
 from ckptflow.trainer._torch_private import (
-    ShardedTensor,
-    _create_chunk_list,
-    _create_read_items,
-    flatten_state_dict,
     local_tensor,
     narrow_tensor_by_index,
-    set_element,
 )
-from ckptflow.trainer.errors import IntegrityError
-from ckptflow.trainer.format import layout
-from ckptflow.trainer.format.dcpmeta import MAX_METADATA_BYTES, loads_dcp_metadata
-from ckptflow.trainer.format.manifest import FileEntry, Manifest
-from ckptflow.trainer.tensoritem import NOT_PLAIN, Locator, TensorItem, plain_item
-from ckptflow.trainer.verifiedcopy import (
+from ckptflow.trainer.dcp._tensoritem import Locator, TensorItem
+from ckptflow.trainer.dcp._verifiedcopy import (
     READAHEAD,
     Block,
     Copy,
@@ -92,7 +83,14 @@ from ckptflow.trainer.verifiedcopy import (
     verify,
     verify_run,
 )
+from ckptflow.trainer.errors import IntegrityError
+from ckptflow.trainer.format import layout
+from ckptflow.trainer.format.dcpmeta import MAX_METADATA_BYTES, loads_dcp_metadata
+from ckptflow.trainer.format.manifest import FileEntry, Manifest
 from ckptflow.trainer.verify import resolve_member
+
+__all__ = ["THREADS", "VerifiedReader"]
+
 
 RECORD_PAGE = 8192  # the zip records of a tensor item lie in its first and last few KiB
 THREADS = 4
@@ -533,17 +531,6 @@ class _Targets:
         return narrow_tensor_by_index(obj.detach() if obj.requires_grad else obj, req.dest_offsets, req.lengths)
 
 
-def _plain_tree(obj: Any) -> bool:
-    """Whether no leaf of a state dict is a ShardedTensor or on the meta device."""
-    if isinstance(obj, Mapping):
-        return all(_plain_tree(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return all(_plain_tree(v) for v in obj)
-    if isinstance(obj, ShardedTensor):
-        return False
-    return not (isinstance(obj, torch.Tensor) and obj.is_meta)
-
-
 def _available_memory() -> int:
     """``MemAvailable`` (bytes): what the page cache can hold without evicting much; 0 if unknown."""
     try:
@@ -562,157 +549,3 @@ def _close_maps(maps: list[mmap.mmap]) -> None:
             m.close()
         except BufferError:  # a view of it is still alive (an error's traceback): unmapped with it
             pass
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's planner, but byte items come back through PyTorch's restricted loader, and a tensor
-    whose wanted chunk is exactly one saved chunk is planned without DCP's resharding sweep."""
-
-    def set_up_planner(self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
-        """DCP's, without the two passes that change nothing for a state dict without meta tensors
-        or ShardedTensors (materialising meta tensors; splitting ShardedTensors into their local
-        shards: a rebuilt copy of the same dict otherwise, ~2 ms of a 309-item load here)."""
-        if not _plain_tree(state_dict):
-            super().set_up_planner(state_dict, metadata, is_coordinator)
-            return
-        self.original_state_dict = state_dict
-        if self.flatten_state_dict:
-            state_dict, self.mappings = flatten_state_dict(state_dict)
-        self.state_dict = state_dict
-        self.metadata = metadata
-        self.is_coordinator = is_coordinator
-
-    def create_local_plan(self) -> LoadPlan:
-        """DCP's plan, item for item. Its general path costs ~15 us an item (chunk lists, sweep,
-        overlap regions: 4.5 ms of a 309-item load here); at the saving world size every tensor
-        is one saved chunk, planned here in a dictionary look-up. Anything else — another
-        sharding, a key only pre-2.4 naming has — goes through DCP's own code."""
-        assert self.metadata is not None
-        saved = self.metadata.state_dict_metadata
-        if any(fqn not in saved for fqn in self.state_dict):
-            return super().create_local_plan()  # missing keys: DCP's errors and its pre-2.4 fallback
-        requests: list[ReadItem] = []
-        for fqn, obj in self.state_dict.items():
-            md = saved[fqn]
-            if not isinstance(md, TensorStorageMetadata):
-                requests += _create_read_items(fqn, md, obj)
-                continue
-            if getattr(obj, "size", None) is not None and md.size != obj.size():
-                raise ValueError(f"Size mismatch between saved {md.size} and current: {obj.size()} for {fqn}")
-            if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
-                continue  # not on this rank's part of the mesh (as DCP)
-            requests += _whole_chunk_reads(fqn, md, obj) or _create_read_items(fqn, md, obj)
-        return LoadPlan(requests)
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        obj = plain_item(value.getbuffer())
-        if obj is NOT_PLAIN:
-            obj = self._restricted_load(read_item, value)
-        fqn = read_item.dest_index.fqn
-        if self.flatten_state_dict:  # as DCP's own: back where the unflattened state dict has it
-            set_element(self.original_state_dict, self.mappings[fqn], obj)
-        else:
-            self.state_dict[fqn] = obj
-
-    @staticmethod
-    def _restricted_load(read_item: ReadItem, value: io.BytesIO) -> Any:
-        import numpy as np
-
-        allowed: list[Any] = [np.dtype, np.ndarray]
-        for mod in ("numpy.core.multiarray", "numpy._core.multiarray"):  # layout-1 RNG states are arrays
-            try:
-                allowed.append(__import__(mod, fromlist=["_reconstruct"])._reconstruct)
-            except (ImportError, AttributeError):
-                pass
-        allowed += [type(np.dtype(d)) for d in ("uint32", "float64", "int64")]
-        with torch.serialization.safe_globals(allowed):
-            try:
-                obj = torch.load(value, weights_only=True)
-            except Exception as e:  # anything the restricted loader refuses is not ours to run
-                raise IntegrityError(
-                    f"{read_item.dest_index.fqn}: a non-tensor item the restricted loader refuses "
-                    f"({type(e).__name__}: {str(e)[:200]}); not loading it"
-                ) from None
-        return obj
-
-
-def _whole_chunk_reads(fqn: str, md: TensorStorageMetadata, obj: Any) -> list[ReadItem]:
-    """The reads of ``obj`` (a tensor or DTensor) if each of its local chunks is exactly one saved
-    chunk (what DCP's sweep would return for it), or it is a whole plain tensor the saved chunks
-    lie in (saved sharded, loaded whole), else [] for the general path."""
-    if type(obj) is torch.Tensor and len(md.chunks) == 1:  # the common case, without chunk objects
-        c = md.chunks[0]
-        if c.sizes == md.size and not any(c.offsets) and all(c.sizes):
-            return [
-                ReadItem(
-                    LoadItemType.TENSOR,
-                    MetadataIndex(fqn, c.offsets, 0),
-                    c.offsets,
-                    MetadataIndex(fqn, c.offsets, 0),
-                    c.offsets,
-                    c.sizes,
-                )
-            ]
-    if type(obj) is torch.Tensor and len(md.chunks) > 1:
-        return _whole_tensor_reads(fqn, md)
-    # Saved chunks do not overlap (DCP's save writes each region from one rank), so a local chunk
-    # equal to a saved one is read from it alone, as the sweep would find.
-    local = _create_chunk_list(obj)
-    where = {(tuple(c.offsets), tuple(c.sizes)): i for i, c in enumerate(md.chunks)}
-    out = []
-    for i, c in enumerate(local):
-        k = where.get((tuple(c.offsets), tuple(c.sizes)))
-        if k is None or not all(c.sizes):  # partial overlap, or an empty chunk (DCP reads none)
-            return []
-        zeros = torch.Size([0] * len(c.offsets))
-        out.append(
-            ReadItem(
-                type=LoadItemType.TENSOR,
-                dest_index=MetadataIndex(fqn, c.offsets, i),
-                dest_offsets=zeros,
-                storage_index=MetadataIndex(fqn, md.chunks[k].offsets, k),
-                storage_offsets=zeros,
-                lengths=torch.Size(c.sizes),
-            )
-        )
-    return out
-
-
-def _whole_tensor_reads(fqn: str, md: TensorStorageMetadata) -> list[ReadItem]:
-    """The reads of a whole plain tensor of size ``md.size`` from its saved chunks (a checkpoint
-    saved sharded, loaded by fewer ranks): each non-empty chunk read whole into its own place —
-    the items DCP's sweep returns, in its order (by the chunks' ends along its sweep dimension,
-    then their index) — or [] (DCP's general path) for a chunk that is not inside the tensor.
-    DCP's sweep and overlap regions cost ~15 us an item; a 2 -> 1 load of 167 MB has ~600."""
-    size = tuple(md.size)
-    nd = len(size)
-    if not nd:
-        return []
-    chunks = md.chunks
-    for c in chunks:
-        if len(c.offsets) != nd or len(c.sizes) != nd:
-            return []
-        if any(o < 0 or s < 0 or o + s > n for o, s, n in zip(c.offsets, c.sizes, size, strict=True)):
-            return []
-    sweep, extent = 0, 0  # DCP's: the dimension of largest extent, the first of equals
-    for d in range(nd):
-        e = max(size[d], *(c.offsets[d] + c.sizes[d] for c in chunks))
-        if e > extent:
-            sweep, extent = d, e
-    zeros = torch.Size([0] * nd)
-    dest = MetadataIndex(fqn, zeros, 0)
-    order = sorted(
-        (k for k, c in enumerate(chunks) if all(c.sizes)),  # an empty chunk overlaps nothing
-        key=lambda k: (chunks[k].offsets[sweep] + chunks[k].sizes[sweep], k),
-    )
-    return [
-        ReadItem(
-            type=LoadItemType.TENSOR,
-            dest_index=dest,
-            dest_offsets=torch.Size(chunks[k].offsets),
-            storage_index=MetadataIndex(fqn, chunks[k].offsets, k),
-            storage_offsets=zeros,
-            lengths=torch.Size(chunks[k].sizes),
-        )
-        for k in order
-    ]

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ckptflow.trainer import zipfmt
+from ckptflow.trainer.dcp import _zipfmt as zipfmt
 from ckptflow.trainer.errors import IntegrityError
 
 

@@ -52,10 +52,13 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from ckptflow.trainer import zipfmt
 from ckptflow.trainer._torch_private import _StorageInfo, local_tensor
-from ckptflow.trainer.directio import DirectFile
+from ckptflow.trainer.dcp import _zipfmt as zipfmt
+from ckptflow.trainer.dcp._directio import DirectFile
 from ckptflow.trainer.format.checksum import FileDigest, block_size_for
+
+__all__ = ["HashingStream", "HashingWriter", "storage_bytes", "template", "write_tensor"]
+
 
 try:  # the same CRC-32 as zlib's, with carry-less multiplication: ~4x faster here
     from isal.isal_zlib import crc32 as _crc32
@@ -204,7 +207,7 @@ class HashingWriter(FileSystemWriter):
     def __init__(self, path: str | os.PathLike, *, direct_io: bool = False, **kw: Any) -> None:
         super().__init__(path, **kw)
         self.direct_io = direct_io
-        """Write the data files past the page cache (``directio.py``); buffered where unsupported."""
+        """Write the data files past the page cache (``_directio.py``); buffered where unsupported."""
         self.files_direct = 0
         """How many data files were written direct (tests, benchmarks)."""
         self.digests: dict[str, FileDigest] = {}

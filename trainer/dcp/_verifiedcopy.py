@@ -1,6 +1,6 @@
 """Copying a mapped checkpoint file into live tensors, each byte only once its digest matched.
 
-The reader (``trainer/reader.py``) hands this module two things: the file's *blocks* (byte
+The reader (``trainer/dcp/reader.py``) hands this module two things: the file's *blocks* (byte
 ranges with the digests the manifest records for them) and the *copies* (which bytes of the
 file go to which destination tensor). A pool of threads then verifies block after block, and
 as soon as a block matched copies its bytes to their destinations while they are still in

@@ -26,9 +26,13 @@ from collections import OrderedDict
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.tensor import DTensor
 
-from ckptflow.trainer._torch_private import StateDictStager, local_tensor
+from ckptflow.trainer._torch_private import StateDictStager, local_tensor, set_state_dict_stager
+
+__all__ = ["ReusingStager", "ReusingStateDictStager", "layout_of"]
+
 
 _DICTS = (dict, OrderedDict)
 _SCALARS = (bool, int, float, str, bytes)
@@ -92,7 +96,7 @@ def _signature(tree: Any) -> tuple[tuple, list[tuple[tuple, torch.Tensor]]]:
 
 def layout_of(tree: Any) -> tuple | None:
     """The layout ``ReusingStateDictStager`` compares (hashable), or None for a tree it does not
-    cover. Two trees with one layout get the same DCP save plan (``saver.canonical_planner``)."""
+    cover. Two trees with one layout get the same DCP save plan (``dcp.planner.canonical_planner``)."""
     try:
         return _signature(tree)[0]
     except _NotReusable:
@@ -181,3 +185,11 @@ class ReusingStateDictStager(StateDictStager):
                 return  # tensors that share a storage live must share their staged one
 
         self._sig, self._staged_leaves, self._pairs_from = sig, twins, pairs
+
+
+class ReusingStager(DefaultStager):
+    """DCP's stager, restaging an unchanged layout by copies alone (``staging.py``)."""
+
+    def __init__(self, options: StagingOptions) -> None:
+        super().__init__(options)
+        set_state_dict_stager(self, ReusingStateDictStager(pin_memory=options.use_pinned_memory, share_memory=False))
