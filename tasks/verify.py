@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ckptflow.tasks import forkserver, records
+from ckptflow.tasks.adopt import is_adopted, parse_check
 from ckptflow.tasks.checkpoint import CheckpointRef
 from ckptflow.tasks.expectations import ExpectationReport
 from ckptflow.trainer import faults
@@ -177,7 +178,13 @@ def verify(
         return _finish(out, t0)
 
     stats = None
-    if sanity_step:
+    if sanity_step and integ.manifest is not None and is_adopted(integ.manifest):
+        # Adopted from another tool: no probe was recorded to replay; every file must parse.
+        out.sanity = parse_check(ckpt, integ.manifest)
+        if not out.sanity["ok"]:
+            out.reasons = [f"sanity: {w}" for w in out.sanity["problems"]]
+            return _finish(out, t0)
+    elif sanity_step:
         san = run_sanity(ckpt, stats=expectations)
         faults.maybe_crash("verify.sanity", step)
         stats = san.pop("stats", None)

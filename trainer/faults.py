@@ -12,7 +12,8 @@ rank's DCP writer is about to write, in the background), ``shards`` (this
 rank's DCP files written, others maybe not), ``after_shards`` (all files written,
 before the manifest), ``after_manifest`` (manifest durable in the .tmp dir, before
 the rename), ``after_rename`` (committed dir, before ``latest``), ``after_latest``
-(before the outbox line and event). Lifecycle stages add their own phase names.
+(before the outbox line and event). Lifecycle stages add their own phase names, and
+adoption (``tasks/adopt.py``) ``adopt.copy`` (after each file copied into the ``.tmp`` folder).
 
 With ``snapshot`` the process does not die: it copies the paths in ``CKPTFLOW_SNAPSHOT_OF``
 (separated by ``os.pathsep``) to ``CKPTFLOW_SNAPSHOT_TO/<phase>/<i>`` and goes on. What a SIGKILL

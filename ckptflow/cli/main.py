@@ -15,6 +15,7 @@ import sys
 import typer
 
 from ckptflow.cli import (
+    cmd_adopt,
     cmd_advise,
     cmd_alerts,
     cmd_chaos,
@@ -53,6 +54,7 @@ cmd_verify.register(app)
 cmd_restore.register(app)
 cmd_prune.register(app)
 cmd_pin.register(app)
+cmd_adopt.register(app)
 cmd_drill.register(app)
 cmd_advise.register(app)
 cmd_goodput.register(app)

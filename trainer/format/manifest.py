@@ -27,6 +27,7 @@ from ckptflow.trainer.format import layout
 from ckptflow.trainer.format.checksum import ALGORITHM, BLOCK_HEX
 
 __all__ = [
+    "ADOPTED",
     "FORMAT",
     "FORMAT_VERSION",
     "FileEntry",
@@ -43,6 +44,9 @@ FORMAT = "ckptflow.manifest"
 FORMAT_VERSION = 1
 KEY_ENV = "CKPTFLOW_MANIFEST_KEY"
 KEY_BLOCK_ENV = "CKPTFLOW_MANIFEST_KEY_BLOCK"
+ADOPTED = "adopted"
+"""The key of an adopted checkpoint's manifest (``tasks/adopt.py``): ``{"source", "format",
+"adopted_at"}``. One adopted as a ``torch.save`` file has no DCP ``.metadata``."""
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest larger than this is not ours: refuse early
 
 
@@ -193,7 +197,7 @@ class Manifest:
                 "damaged or was edited, restore an older one",
                 path=source,
             ) from None
-        if layout.DCP_METADATA not in m.files:
+        if layout.DCP_METADATA not in m.files and (m.extra.get(ADOPTED) or {}).get("format") != "torch_save":
             raise ManifestError(f"{source}: manifest does not list DCP's {layout.DCP_METADATA}", path=source)
         return m
 

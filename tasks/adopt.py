@@ -1,0 +1,263 @@
+"""Adopting a checkpoint another tool wrote: its files become a committed ckptflow checkpoint.
+
+``ckptflow adopt PATH --run-id RUN [--step N]`` copies what another tool finished writing into the
+hot root as ``<run>/step_<N>.tmp``, records every file's size and digest in a manifest, and commits
+by the same rule as the trainer's own saves (the rename; ``latest`` after it), then appends the
+``ckptflow.checkpoint.committed`` record to the run's outbox and posts the event: the deployed
+lifecycle takes it from there (verify, promote, archive, prune). A crash at any point leaves a
+``.tmp`` folder no reader trusts, removed by the next adoption of that step.
+
+What is adopted, and when it counts as finished (never while it is still being written):
+
+* **a DCP folder** (``dcp.save``; torchtitan's ``step-N``; Lightning's sharded FSDP folders):
+  finished when its ``.metadata`` exists — DCP's coordinator writes it last — parses through the
+  allow-list of ``trainer/format/dcpmeta.py``, and every file it references exists and is long
+  enough for the items recorded in it;
+* **one ``torch.save`` file** (a Lightning ``.ckpt``, a ``.pt``/``.pth``): finished when it is a
+  zip whose central directory parses — ``torch.save`` writes that directory last, so a file
+  still being written has none.
+
+A source that changes while it is copied (size or modification time) is refused as still being
+written. What adoption after the fact cannot guarantee: bytes damaged before adoption are adopted
+as they are (the digests prove only that nothing changed since); the checkpoint holds whatever
+state its tool saved, so exact resume is that tool's promise, not ckptflow's; there is no recorded
+probe loss, so the lifecycle's check beyond the digests is a pickle-free parse of each file
+(:func:`parse_check`), not a restore.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+import zipfile
+from dataclasses import dataclass
+from typing import Any
+
+from ckptflow.trainer import events, faults
+from ckptflow.trainer.errors import ConfigError, IntegrityError
+from ckptflow.trainer.format import layout
+from ckptflow.trainer.format.atomicity import RENAME
+from ckptflow.trainer.format.checksum import digest_file
+from ckptflow.trainer.format.commit import commit_checkpoint
+from ckptflow.trainer.format.manifest import ADOPTED, FileEntry, Manifest
+from ckptflow.trainer.fsutil import fsync_dir, remove_tree
+
+DCP = "dcp"
+TORCH_SAVE = "torch_save"
+
+_STEP_IN_NAME = re.compile(r"(?:step|checkpoint|global_step|iter)[-_=]?(\d+)", re.IGNORECASE)
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    path: str
+    format: str
+    files: dict[str, str]
+    """Name in the checkpoint -> the file to copy."""
+    world_size: int
+
+
+def step_from_name(path: str) -> int | None:
+    """The step a tool put in the name (``step-200``, ``checkpoint-200``, ``epoch=1-step=200.ckpt``,
+    ``step_000200``): the last such number, or None."""
+    found = _STEP_IN_NAME.findall(os.path.basename(os.path.normpath(path)))
+    return int(found[-1]) if found else None
+
+
+def inspect(path: str) -> Source:
+    """What ``path`` is and which files it consists of, once it is finished; raises
+    :class:`ConfigError` naming the path and what is missing otherwise."""
+    path = os.path.abspath(path)
+    if os.path.isdir(path):
+        return _dcp_folder(path)
+    if os.path.isfile(path):
+        return _torch_save_file(path)
+    raise ConfigError(f"{path} does not exist; give the folder or file the other tool wrote")
+
+
+def _dcp_folder(path: str) -> Source:
+    from ckptflow.trainer.format.dcpmeta import read_dcp_metadata
+
+    if not os.path.isfile(os.path.join(path, layout.DCP_METADATA)):
+        raise ConfigError(
+            f"{path} has no {layout.DCP_METADATA}: not a DCP checkpoint, or one still being written "
+            "(DCP writes it last); adopt it once its save has finished"
+        )
+    try:
+        md = read_dcp_metadata(path)
+    except IntegrityError as e:
+        raise ConfigError(f"{path}: its {layout.DCP_METADATA} is not one DCP wrote ({e}); not adopting it") from None
+    need: dict[str, int] = {}
+    for info in (md.storage_data or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if rel is None:
+            continue
+        need[rel] = max(need.get(rel, 0), int(info.offset) + int(info.length))
+    files = {layout.DCP_METADATA: os.path.join(path, layout.DCP_METADATA)}
+    for rel, end in sorted(need.items()):
+        layout.check_member_name(rel)
+        p = os.path.join(path, *rel.split("/"))
+        size = os.path.getsize(p) if os.path.isfile(p) else -1
+        if size < end:
+            what = "missing" if size < 0 else f"{size} bytes, its items end at {end}"
+            raise ConfigError(
+                f"{p} is {what}: the checkpoint in {path} is incomplete or still being written; "
+                "adopt it once its save has finished"
+            )
+        files[rel] = p
+    ranks = {int(m.group(1)) for rel in need if (m := re.match(r"__(\d+)_", rel))}
+    return Source(path, DCP, files, max(1, len(ranks)))
+
+
+def _torch_save_file(path: str) -> Source:
+    try:
+        with zipfile.ZipFile(path) as z:
+            z.infolist()
+    except (zipfile.BadZipFile, OSError) as e:
+        raise ConfigError(
+            f"{path} is not a finished torch.save file ({e}): torch.save writes the zip's directory "
+            "last, so it is still being written or not a checkpoint; adopt it once it is complete"
+        ) from None
+    name = os.path.basename(path)
+    layout.check_member_name(name)
+    return Source(path, TORCH_SAVE, {name: path}, 1)
+
+
+def adopt(
+    path: str,
+    *,
+    run_id: str,
+    root: str,
+    step: int | None = None,
+    api_url: str | None = None,
+) -> dict[str, Any]:
+    """Adopt ``path`` as ``run_id`` step ``step`` (from the name when None) under the hot root
+    ``root``. Returns the committed record (the outbox line). Adopting the same files again is a
+    no-op; other files for a committed step are refused: a committed checkpoint never changes."""
+    layout.check_run_id(run_id)
+    if step is None:
+        step = step_from_name(path)
+        if step is None:
+            raise ConfigError(f"no step in the name {os.path.basename(path)!r}; give it with --step N")
+    if step < 0:
+        raise ConfigError(f"step {step} must be >= 0")
+    src = inspect(path)
+    run_path = os.path.join(os.path.abspath(root), run_id)
+    final = os.path.join(run_path, layout.step_name(step))
+    if RENAME.is_committed(run_path, step):
+        return _already(src, run_path, run_id, step, final, api_url)
+    tmp = RENAME.staging_url(run_path, step)
+    remove_tree(tmp)  # an earlier adoption that crashed: never trusted, started over
+    os.makedirs(tmp)
+    entries: dict[str, FileEntry] = {}
+    for name, source in src.files.items():
+        before = os.stat(source)
+        dest = os.path.join(tmp, *name.split("/"))
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        shutil.copyfile(source, dest)
+        after = os.stat(source)
+        if (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns):
+            remove_tree(tmp)
+            raise ConfigError(f"{source} changed while it was copied: still being written; adopt it once it is done")
+        with open(dest, "rb+") as f:
+            os.fsync(f.fileno())
+        d = digest_file(dest)
+        entries[name] = FileEntry(d.size, d.hexdigest(), d.block, d.blocks())
+        faults.maybe_crash("adopt.copy", step)
+    for folder in {os.path.dirname(os.path.join(tmp, *n.split("/"))) for n in entries}:
+        fsync_dir(folder)
+    manifest = Manifest(
+        run_id=run_id,
+        step=step,
+        world_size=src.world_size,
+        files=entries,
+        extra={ADOPTED: {"source": src.path, "format": src.format, "adopted_at": time.time()}},
+    )
+    commit_checkpoint(run_path, manifest)
+    return _announce(manifest, run_path, final, api_url)
+
+
+def _already(src: Source, run_path: str, run_id: str, step: int, final: str, api_url: str | None) -> dict[str, Any]:
+    from ckptflow.trainer.format.manifest import read_manifest
+
+    m = read_manifest(final)
+    same = set(m.files) == set(src.files) and all(
+        m.files[n].size == os.path.getsize(p) and m.files[n].checksum == digest_file(p).hexdigest()
+        for n, p in src.files.items()
+    )
+    if not same:
+        raise ConfigError(
+            f"{run_id} step {step} is already committed in {final} with other files; a committed "
+            "checkpoint never changes — adopt this one under another --step or --run-id"
+        )
+    for rec in events.read_outbox(run_path):
+        if rec.get("step") == step and rec.get("event") == events.COMMITTED:
+            return dict(rec, already=True)
+    # Committed, but the adoption that did it died before its outbox line: announce it now.
+    return dict(_announce(m, run_path, final, api_url), already=True)
+
+
+def _announce(manifest: Manifest, run_path: str, final: str, api_url: str | None) -> dict[str, Any]:
+    payload: dict[str, Any] = {
+        "run_id": manifest.run_id,
+        "step": manifest.step,
+        "uri": final,
+        "bytes": manifest.total_bytes,
+        "world_size": manifest.world_size,
+        "root": os.path.dirname(run_path),
+        "scope": "shared",
+        "nodes": [],
+        "adopted": manifest.extra[ADOPTED]["format"],
+    }
+    record = dict(
+        payload,
+        event=events.COMMITTED,
+        event_id=events.event_id(manifest.run_id, manifest.step, events.COMMITTED),
+        committed_at=time.time(),
+    )
+    events.append_outbox(run_path, record)
+    sender = events.EventSender(api_url)
+    sender.send(events.make_event(events.COMMITTED, manifest.run_id, manifest.step, payload))
+    sender.close()
+    return record
+
+
+def is_adopted(manifest: Manifest) -> bool:
+    return ADOPTED in manifest.extra
+
+
+def parse_check(ckpt_dir: str, manifest: Manifest) -> dict[str, Any]:
+    """An adopted checkpoint's check beyond its digests: every file parses without running a
+    pickle — DCP's ``.metadata`` through the allow-list (and every item inside its file), a
+    ``torch.save`` file through ``torch.load(weights_only=True)``. The verify stage's result for
+    the sanity step of a checkpoint that records no probe."""
+    fmt = manifest.extra[ADOPTED].get("format")
+    problems: list[str] = []
+    t0 = time.perf_counter()
+    if fmt == DCP:
+        try:
+            inspect_dir = _dcp_folder(ckpt_dir)
+            missing = set(inspect_dir.files) - set(manifest.files)
+            if missing:
+                problems.append(f"files the metadata references are not in the manifest: {sorted(missing)}")
+        except ConfigError as e:
+            problems.append(str(e))
+    elif fmt == TORCH_SAVE:
+        import torch
+
+        for name in manifest.files:
+            try:
+                torch.load(os.path.join(ckpt_dir, name), map_location="cpu", weights_only=True, mmap=True)
+            except Exception as e:  # what the restricted loader refuses is not ours to run
+                problems.append(f"{name}: the restricted loader refuses it ({type(e).__name__}: {str(e)[:200]})")
+    else:
+        problems.append(f"unknown adopted format {fmt!r}")
+    return {
+        "ok": not problems,
+        "check": "parse",
+        "format": fmt,
+        "problems": problems,
+        "seconds": time.perf_counter() - t0,
+    }

@@ -1,0 +1,186 @@
+"""``ckptflow adopt``: a checkpoint another tool wrote becomes a committed ckptflow checkpoint.
+
+The sources are what the tools write: a DCP folder from ``dcp.save`` named as torchtitan names it
+(``step-30``), and a ``torch.save`` file named as Lightning names it (``epoch=1-step=40.ckpt``).
+The CLI runs as a user starts it; the lifecycle runs in-process against the session's Prefect
+server and moto, as in ``test_lifecycle.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+
+from ckptflow.trainer.events import COMMITTED, read_outbox, resource_id
+from ckptflow.trainer.format import layout
+from ckptflow.trainer.format.commit import committed_steps
+from tests.helpers import PY, REPO, cold_steps, torchrun_env, write_config
+
+
+class NotOurs:
+    """A class a pickle would build (and could run code from): the restricted loader refuses it."""
+
+
+def _state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "model.w": torch.randn(64, 32, generator=g),
+        "model.b": torch.randn(32, generator=g),
+        "step": torch.tensor(30),
+    }
+
+
+def _dcp_folder(where) -> str:
+    import torch.distributed.checkpoint as dcp
+
+    path = str(where / "step-30")
+    dcp.save(_state(), checkpoint_id=path, no_dist=True)
+    return path
+
+
+def _server_event(api: str, resource: str) -> dict:
+    """The one event about ``resource`` the Prefect server stored (its REST API, as a client reads it)."""
+    import time
+    import urllib.request
+
+    body = json.dumps({"filter": {"resource": {"id": [resource]}}, "limit": 5}).encode()
+    for _ in range(100):  # the server's consumer stores events in the background
+        req = urllib.request.Request(
+            api.rstrip("/") + "/events/filter", data=body, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            found = json.loads(resp.read())["events"]
+        if found:
+            return found[0]
+        time.sleep(0.2)
+    raise AssertionError(f"no event about {resource} on {api}")
+
+
+def _adopt(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [PY, "-m", "ckptflow.cli.main", "adopt", *args],
+        cwd=REPO,
+        env=env or torchrun_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_a_dcp_folder_is_adopted_committed_announced_and_taken_to_cold(prefect_api, s3_endpoint, s3_bucket, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from ckptflow.flows.lifecycle import lifecycle
+
+    src = _dcp_folder(tmp_path / "titan")
+    hot = tmp_path / "hot"
+    r = _adopt(
+        src, "--run-id", "titan", "--root", str(hot), "--json", env=torchrun_env({"PREFECT_API_URL": prefect_api})
+    )
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(r.stdout)
+    run = hot / "titan"
+    final = run / layout.step_name(30)
+    assert rec["step"] == 30 and rec["uri"] == str(final) and rec["scope"] == "shared" and rec["adopted"] == "dcp"
+    assert committed_steps(str(run)) == [30] and not os.path.exists(str(final) + ".tmp")
+    assert [x["step"] for x in read_outbox(str(run))] == [30]  # the record reconcile reads
+    m = json.loads((final / layout.MANIFEST).read_text())
+    assert m["adopted"]["format"] == "dcp" and m["adopted"]["source"] == src
+    assert sorted(m["files"]) == sorted(os.listdir(src))
+    back = {k: torch.zeros_like(v) for k, v in _state().items()}
+    dcp.load(back, checkpoint_id=str(final), no_dist=True)  # still plain DCP
+    assert all(torch.equal(back[k], v) for k, v in _state().items())
+
+    ev = _server_event(prefect_api, resource_id("titan", 30))  # what the deployed trigger fires on
+    assert ev["event"] == COMMITTED and ev["payload"]["uri"] == str(final) and ev["payload"]["adopted"] == "dcp"
+
+    again = _adopt(src, "--run-id", "titan", "--root", str(hot))
+    assert again.returncode == 0 and "already adopted" in again.stdout, again.stderr
+
+    cfg = write_config(tmp_path, hot, s3_endpoint, s3_bucket, hot_keep=5)
+    out = lifecycle(run_id="titan", step=30, uri=rec["uri"], config=cfg)
+    assert out["status"] == "done", out
+    assert out["verify"]["sanity"]["check"] == "parse" and out["verify"]["sanity"]["ok"], out["verify"]
+    assert 30 in cold_steps(s3_endpoint, s3_bucket, "titan")
+
+
+def test_a_lightning_style_file_takes_its_step_from_its_name_and_parses_without_pickle(
+    prefect_api, s3_endpoint, s3_bucket, tmp_path
+):
+    from ckptflow.flows.lifecycle import lifecycle
+    from ckptflow.tasks.adopt import parse_check
+    from ckptflow.trainer.format.manifest import read_manifest
+    from ckptflow.trainer.verify import verify_checkpoint
+
+    f = tmp_path / "epoch=1-step=40.ckpt"
+    torch.save({"state_dict": _state(), "epoch": 1, "global_step": 40}, f)
+    hot = tmp_path / "hot"
+    r = _adopt(str(f), "--run-id", "lit", "--root", str(hot))
+    assert r.returncode == 0, r.stderr
+    final = hot / "lit" / layout.step_name(40)
+    assert verify_checkpoint(str(final)).ok
+    assert parse_check(str(final), read_manifest(str(final)))["ok"]
+    cfg = write_config(tmp_path, hot, s3_endpoint, s3_bucket, hot_keep=5)
+    out = lifecycle(run_id="lit", step=40, uri=str(final), config=cfg)
+    assert out["status"] == "done" and out["verify"]["sanity"]["check"] == "parse", out
+    assert 40 in cold_steps(s3_endpoint, s3_bucket, "lit")
+
+    bad = tmp_path / "step=50.ckpt"
+    torch.save({"state_dict": _state(), "obj": NotOurs()}, bad)
+    assert _adopt(str(bad), "--run-id", "lit", "--root", str(hot)).returncode == 0  # bytes are bytes
+    final = hot / "lit" / layout.step_name(50)
+    res = parse_check(str(final), read_manifest(str(final)))
+    assert not res["ok"] and "restricted loader refuses" in res["problems"][0], res
+    out = lifecycle(run_id="lit", step=50, uri=str(final), config=cfg)
+    assert out["status"] == "quarantined" and "restricted loader refuses" in json.dumps(out["verify"]), out
+
+
+@pytest.mark.parametrize("damage", ["no_metadata", "truncated", "not_a_zip"])
+def test_an_unfinished_checkpoint_is_refused_naming_it_and_nothing_is_committed(tmp_path, damage):
+    if damage == "not_a_zip":
+        src = tmp_path / "step=7.ckpt"
+        src.write_bytes(b"PK\x03\x04 half of a torch.save")
+    else:
+        src = _dcp_folder(tmp_path / "titan")
+        if damage == "no_metadata":
+            os.remove(os.path.join(src, layout.DCP_METADATA))
+        else:
+            data = sorted(p for p in os.listdir(src) if p.endswith(".distcp"))[0]
+            with open(os.path.join(src, data), "r+b") as f:
+                f.truncate(100)
+    hot = tmp_path / "hot"
+    r = _adopt(str(src), "--run-id", "x", "--root", str(hot))
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert str(src) in r.stderr and ("being written" in r.stderr or "not a DCP" in r.stderr), r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1  # one line, no traceback
+    assert committed_steps(str(hot / "x")) == []
+
+
+def test_a_crash_mid_adoption_leaves_nothing_trusted_and_a_rerun_finishes(tmp_path):
+    src = _dcp_folder(tmp_path / "titan")
+    hot = tmp_path / "hot"
+    r = _adopt(src, "--run-id", "titan", "--root", str(hot), env=dict(torchrun_env(), CKPTFLOW_FAULT="adopt.copy@30"))
+    assert r.returncode == -9, r.stderr
+    run = hot / "titan"
+    assert committed_steps(str(run)) == [] and read_outbox(str(run)) == []
+    assert os.path.isdir(run / layout.tmp_name(30))  # what was copied, in a folder no reader trusts
+    r = _adopt(src, "--run-id", "titan", "--root", str(hot))
+    assert r.returncode == 0, r.stderr
+    assert committed_steps(str(run)) == [30] and [x["step"] for x in read_outbox(str(run))] == [30]
+    assert not os.path.exists(run / layout.tmp_name(30))
+
+
+def test_other_files_for_a_committed_step_are_refused(tmp_path):
+    src = _dcp_folder(tmp_path / "a")
+    hot = tmp_path / "hot"
+    assert _adopt(src, "--run-id", "t", "--root", str(hot)).returncode == 0
+    other = tmp_path / "b" / "step-30"
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model.w": torch.ones(3)}, checkpoint_id=str(other), no_dist=True)
+    r = _adopt(str(other), "--run-id", "t", "--root", str(hot))
+    assert r.returncode == 2 and "already committed" in r.stderr, r.stderr
