@@ -27,11 +27,15 @@ probe loss, so the lifecycle's check beyond the digests is a pickle-free parse o
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import re
 import shutil
+import threading
 import time
 import zipfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +52,10 @@ DCP = "dcp"
 TORCH_SAVE = "torch_save"
 
 _STEP_IN_NAME = re.compile(r"(?:step|checkpoint|global_step|iter)[-_=]?(\d+)", re.IGNORECASE)
+
+
+class NotFinished(ConfigError):
+    """The source is not a finished checkpoint yet (or is still changing): try again later."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +89,7 @@ def _dcp_folder(path: str) -> Source:
     from ckptflow.trainer.format.dcpmeta import read_dcp_metadata
 
     if not os.path.isfile(os.path.join(path, layout.DCP_METADATA)):
-        raise ConfigError(
+        raise NotFinished(
             f"{path} has no {layout.DCP_METADATA}: not a DCP checkpoint, or one still being written "
             "(DCP writes it last); adopt it once its save has finished"
         )
@@ -102,7 +110,7 @@ def _dcp_folder(path: str) -> Source:
         size = os.path.getsize(p) if os.path.isfile(p) else -1
         if size < end:
             what = "missing" if size < 0 else f"{size} bytes, its items end at {end}"
-            raise ConfigError(
+            raise NotFinished(
                 f"{p} is {what}: the checkpoint in {path} is incomplete or still being written; "
                 "adopt it once its save has finished"
             )
@@ -116,7 +124,7 @@ def _torch_save_file(path: str) -> Source:
         with zipfile.ZipFile(path) as z:
             z.infolist()
     except (zipfile.BadZipFile, OSError) as e:
-        raise ConfigError(
+        raise NotFinished(
             f"{path} is not a finished torch.save file ({e}): torch.save writes the zip's directory "
             "last, so it is still being written or not a checkpoint; adopt it once it is complete"
         ) from None
@@ -146,37 +154,51 @@ def adopt(
     src = inspect(path)
     run_path = os.path.join(os.path.abspath(root), run_id)
     final = os.path.join(run_path, layout.step_name(step))
-    if RENAME.is_committed(run_path, step):
-        return _already(src, run_path, run_id, step, final, api_url)
-    tmp = RENAME.staging_url(run_path, step)
-    remove_tree(tmp)  # an earlier adoption that crashed: never trusted, started over
-    os.makedirs(tmp)
-    entries: dict[str, FileEntry] = {}
-    for name, source in src.files.items():
-        before = os.stat(source)
-        dest = os.path.join(tmp, *name.split("/"))
-        os.makedirs(os.path.dirname(dest), exist_ok=True)
-        shutil.copyfile(source, dest)
-        after = os.stat(source)
-        if (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns):
-            remove_tree(tmp)
-            raise ConfigError(f"{source} changed while it was copied: still being written; adopt it once it is done")
-        with open(dest, "rb+") as f:
-            os.fsync(f.fileno())
-        d = digest_file(dest)
-        entries[name] = FileEntry(d.size, d.hexdigest(), d.block, d.blocks())
-        faults.maybe_crash("adopt.copy", step)
-    for folder in {os.path.dirname(os.path.join(tmp, *n.split("/"))) for n in entries}:
-        fsync_dir(folder)
-    manifest = Manifest(
-        run_id=run_id,
-        step=step,
-        world_size=src.world_size,
-        files=entries,
-        extra={ADOPTED: {"source": src.path, "format": src.format, "adopted_at": time.time()}},
-    )
-    commit_checkpoint(run_path, manifest)
-    return _announce(manifest, run_path, final, api_url)
+    os.makedirs(run_path, exist_ok=True)
+    with _run_lock(run_path):  # one adoption at a time per run: two watchers never share a .tmp
+        if RENAME.is_committed(run_path, step):
+            return _already(src, run_path, run_id, step, final, api_url)
+        tmp = RENAME.staging_url(run_path, step)
+        remove_tree(tmp)  # an earlier adoption that crashed: never trusted, started over
+        os.makedirs(tmp)
+        entries: dict[str, FileEntry] = {}
+        for name, source in src.files.items():
+            before = os.stat(source)
+            dest = os.path.join(tmp, *name.split("/"))
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            shutil.copyfile(source, dest)
+            after = os.stat(source)
+            if (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns):
+                remove_tree(tmp)
+                raise NotFinished(f"{source} changed while it was copied: still being written; adopt it when done")
+            with open(dest, "rb+") as f:
+                os.fsync(f.fileno())
+            d = digest_file(dest)
+            entries[name] = FileEntry(d.size, d.hexdigest(), d.block, d.blocks())
+            faults.maybe_crash("adopt.copy", step)
+        for folder in {os.path.dirname(os.path.join(tmp, *n.split("/"))) for n in entries}:
+            fsync_dir(folder)
+        manifest = Manifest(
+            run_id=run_id,
+            step=step,
+            world_size=src.world_size,
+            files=entries,
+            extra={ADOPTED: {"source": src.path, "format": src.format, "adopted_at": time.time()}},
+        )
+        commit_checkpoint(run_path, manifest)
+        return _announce(manifest, run_path, final, api_url)
+
+
+@contextlib.contextmanager
+def _run_lock(run_path: str) -> Iterator[None]:
+    """An exclusive lock on ``<run>/.adopt.lock`` (``flock``: released by the kernel when the holder
+    dies, so a killed adoption never blocks the next)."""
+    fd = os.open(os.path.join(run_path, ".adopt.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _already(src: Source, run_path: str, run_id: str, step: int, final: str, api_url: str | None) -> dict[str, Any]:
@@ -261,3 +283,46 @@ def parse_check(ckpt_dir: str, manifest: Manifest) -> dict[str, Any]:
         "problems": problems,
         "seconds": time.perf_counter() - t0,
     }
+
+
+def watch(
+    folder: str,
+    *,
+    run_id: str,
+    root: str,
+    poll_s: float = 10.0,
+    api_url: str | None = None,
+    stop: threading.Event | None = None,
+    report: Callable[[str, dict[str, Any] | None, str | None], None] = lambda path, rec, err: None,
+) -> None:
+    """Adopt every finished checkpoint that appears in ``folder`` (each entry whose name carries a
+    step: ``step-200/``, ``epoch=1-step=200.ckpt``), polling every ``poll_s`` seconds until
+    ``stop`` is set. One not finished yet (no ``.metadata``, an incomplete zip) is looked at
+    again at the next poll; one refused for another reason (other files for a committed step) is
+    reported once and left alone. ``report(path, record, error)`` is called for each outcome."""
+    stop = stop or threading.Event()
+    done: set[str] = set()
+    run_path = os.path.join(os.path.abspath(root), run_id)
+    while True:
+        committed = set(RENAME.committed_steps(run_path))
+        try:
+            names = sorted(os.listdir(folder))
+        except FileNotFoundError:
+            names = []
+        for name in names:
+            path = os.path.join(folder, name)
+            step = step_from_name(name)
+            if path in done or step is None or name.endswith((".tmp", ".partial")):
+                continue
+            if step in committed:
+                done.add(path)  # adopted earlier (or by another watcher): nothing to do
+                continue
+            try:
+                report(path, adopt(path, run_id=run_id, root=root, step=step, api_url=api_url), None)
+            except NotFinished:
+                continue  # looked at again at the next poll
+            except (ConfigError, OSError) as e:  # refused for good, or gone: said once, left alone
+                report(path, None, str(e))
+            done.add(path)
+        if stop.wait(poll_s):
+            return

@@ -184,3 +184,71 @@ def test_other_files_for_a_committed_step_are_refused(tmp_path):
     dcp.save({"model.w": torch.ones(3)}, checkpoint_id=str(other), no_dist=True)
     r = _adopt(str(other), "--run-id", "t", "--root", str(hot))
     assert r.returncode == 2 and "already committed" in r.stderr, r.stderr
+
+
+def test_watch_adopts_each_checkpoint_once_it_is_finished_and_stops_on_sigterm(tmp_path):
+    """``--watch``: a DCP folder whose ``.metadata`` has not landed yet is left alone (DCP writes
+    it last), then adopted once it has; a torch.save file likewise once its zip is whole."""
+    import shutil
+    import signal
+    import time
+
+    written = _dcp_folder(tmp_path / "elsewhere")
+    watched = tmp_path / "ckpts"
+    watched.mkdir()
+    hot = tmp_path / "hot"
+    run = hot / "w"
+    proc = subprocess.Popen(
+        [PY, "-m", "ckptflow.cli.main", "adopt", "--watch", str(watched), "--run-id", "w", "--root", str(hot)]
+        + ["--poll-s", "0.2"],
+        cwd=REPO,
+        env=torchrun_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+    def wait_for(steps: list[int], timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while sorted(committed_steps(str(run))) != steps:
+            assert proc.poll() is None and time.monotonic() < deadline, (committed_steps(str(run)), proc.poll())
+            time.sleep(0.1)
+
+    try:
+        dst = watched / "step-30"
+        dst.mkdir()
+        for name in os.listdir(written):  # the data files first, as DCP writes them
+            if name != layout.DCP_METADATA:
+                shutil.copy(os.path.join(written, name), dst / name)
+        time.sleep(3)  # many polls
+        assert committed_steps(str(run)) == [], "adopted before its .metadata was written"
+        shutil.copy(os.path.join(written, layout.DCP_METADATA), dst / layout.DCP_METADATA)
+        wait_for([30])
+        whole = tmp_path / "whole.ckpt"
+        torch.save({"state_dict": _state()}, whole)
+        half = watched / "epoch=0-step=40.ckpt"
+        half.write_bytes(whole.read_bytes()[:1000])  # torch.save half way: no zip directory yet
+        time.sleep(2)
+        assert sorted(committed_steps(str(run))) == [30]
+        half.write_bytes(whole.read_bytes())
+        wait_for([30, 40])
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert out.count("adopted as w step") == 2, out
+    assert [x["step"] for x in read_outbox(str(run))] == [30, 40]
+
+
+def test_two_adoptions_of_one_step_at_once_commit_it_once(tmp_path):
+    src = _dcp_folder(tmp_path / "titan")
+    hot = tmp_path / "hot"
+    cmd = [PY, "-m", "ckptflow.cli.main", "adopt", src, "--run-id", "t", "--root", str(hot)]
+    procs = [
+        subprocess.Popen(cmd, cwd=REPO, env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert sorted("already" in o for o, _ in outs) == [False, True], outs
+    assert committed_steps(str(hot / "t")) == [30] and len(read_outbox(str(hot / "t"))) == 1
