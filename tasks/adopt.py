@@ -233,16 +233,9 @@ def _announce(manifest: Manifest, run_path: str, final: str, api_url: str | None
         "nodes": [],
         "adopted": manifest.extra[ADOPTED]["format"],
     }
-    record = dict(
-        payload,
-        event=events.COMMITTED,
-        event_id=events.event_id(manifest.run_id, manifest.step, events.COMMITTED),
-        committed_at=time.time(),
-    )
-    events.append_outbox(run_path, record)
     sender = events.EventSender(api_url)
-    sender.send(events.make_event(events.COMMITTED, manifest.run_id, manifest.step, payload))
-    sender.close()
+    record = events.announce_commit(run_path, payload, sender)
+    sender.close()  # at most its exit budget: the outbox line is the durable record
     return record
 
 

@@ -377,11 +377,4 @@ class CheckpointManager:
             "scope": self.topology.scope,
             "nodes": list(self.topology.node_ids) if self.topology.scope == "node" else [],
         }
-        record = dict(
-            ev_payload,
-            event=events.COMMITTED,
-            event_id=events.event_id(manifest.run_id, manifest.step, events.COMMITTED),
-            committed_at=time.time(),
-        )
-        events.append_outbox(self.run_path, record)
-        self._sender.send(events.make_event(events.COMMITTED, manifest.run_id, manifest.step, ev_payload))
+        events.announce_commit(self.run_path, ev_payload, self._sender)

@@ -37,6 +37,7 @@ __all__ = [
     "PROMOTED",
     "PRUNED",
     "VERIFIED",
+    "announce_commit",
     "append_outbox",
     "event_id",
     "make_event",
@@ -92,6 +93,16 @@ def make_event(event: str, run_id: str, step: int, payload: dict, *, occurred: f
 
 def append_outbox(run_path: str, record: dict) -> None:
     append_durable(os.path.join(run_path, layout.OUTBOX), json.dumps(record, sort_keys=True))
+
+
+def announce_commit(run_path: str, payload: dict, sender: EventSender) -> dict:
+    """A commit made known: its outbox line first (durable: what reconcile reads), then its event
+    (best effort). ``payload`` holds at least ``run_id`` and ``step``; returns the outbox line."""
+    run_id, step = payload["run_id"], payload["step"]
+    record = dict(payload, event=COMMITTED, event_id=event_id(run_id, step, COMMITTED), committed_at=time.time())
+    append_outbox(run_path, record)
+    sender.send(make_event(COMMITTED, run_id, step, payload))
+    return record
 
 
 def read_jsonl(path: str) -> list[dict]:
