@@ -15,7 +15,10 @@ What is adopted, and when it counts as finished (never while it is still being w
   enough for the items recorded in it;
 * **one ``torch.save`` file** (a Lightning ``.ckpt``, a ``.pt``/``.pth``): finished when it is a
   zip whose central directory parses — ``torch.save`` writes that directory last, so a file
-  still being written has none.
+  still being written has none;
+* **a Hugging Face ``Trainer`` folder** (``checkpoint-N/``: safetensors, optimizer, scheduler, RNG
+  and trainer state): finished when its ``trainer_state.json`` exists and parses — the ``Trainer``
+  writes it last.
 
 A source that changes while it is copied (size or modification time) is refused as still being
 written. What adoption after the fact cannot guarantee: bytes damaged before adoption are adopted
@@ -50,6 +53,13 @@ from ckptflow.trainer.fsutil import fsync_dir, remove_tree
 
 DCP = "dcp"
 TORCH_SAVE = "torch_save"
+HF_TRAINER = "hf_trainer"
+HF_STATE = "trainer_state.json"
+"""What the Hugging Face ``Trainer`` writes last into ``checkpoint-N/`` (after the model, optimizer,
+scheduler, scaler and RNG states)."""
+HF_ARGS = "training_args.bin"
+"""The ``Trainer``'s arguments, pickled whole: never parsed (no restricted loader builds them) and
+never read when it resumes."""
 
 _STEP_IN_NAME = re.compile(r"(?:step|checkpoint|global_step|iter)[-_=]?(\d+)", re.IGNORECASE)
 
@@ -78,6 +88,9 @@ def inspect(path: str) -> Source:
     """What ``path`` is and which files it consists of, once it is finished; raises
     :class:`ConfigError` naming the path and what is missing otherwise."""
     path = os.path.abspath(path)
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, layout.DCP_METADATA)):
+        if os.path.exists(os.path.join(path, HF_STATE)) or _looks_hf(path):
+            return _hf_folder(path)
     if os.path.isdir(path):
         return _dcp_folder(path)
     if os.path.isfile(path):
@@ -117,6 +130,35 @@ def _dcp_folder(path: str) -> Source:
         files[rel] = p
     ranks = {int(m.group(1)) for rel in need if (m := re.match(r"__(\d+)_", rel))}
     return Source(path, DCP, files, max(1, len(ranks)))
+
+
+def _looks_hf(path: str) -> bool:
+    """A Hugging Face checkpoint whose ``trainer_state.json`` has not landed yet."""
+    names = set(os.listdir(path))
+    return any(n.endswith(".safetensors") or n in ("pytorch_model.bin", "optimizer.pt") for n in names)
+
+
+def _hf_folder(path: str) -> Source:
+    import json
+
+    state = os.path.join(path, HF_STATE)
+    try:
+        with open(state, encoding="utf-8") as f:
+            json.load(f)
+    except (OSError, ValueError):
+        raise NotFinished(
+            f"{path} has no readable {HF_STATE}: the Hugging Face Trainer writes it last, so the "
+            "checkpoint is still being written (or is not one); adopt it once it is"
+        ) from None
+    files: dict[str, str] = {}
+    for d, _, names in os.walk(path):
+        for n in names:
+            full = os.path.join(d, n)
+            rel = os.path.relpath(full, path).replace(os.sep, "/")
+            if os.path.isfile(full) and not os.path.islink(full):
+                files[layout.check_member_name(rel)] = full
+    ranks = sum(1 for n in files if re.fullmatch(r"rng_state_\d+\.pth", n))
+    return Source(path, HF_TRAINER, files, max(1, ranks))
 
 
 def _torch_save_file(path: str) -> Source:
@@ -250,6 +292,7 @@ def parse_check(ckpt_dir: str, manifest: Manifest) -> dict[str, Any]:
     the sanity step of a checkpoint that records no probe."""
     fmt = manifest.extra[ADOPTED].get("format")
     problems: list[str] = []
+    not_parsed: list[str] = []
     t0 = time.perf_counter()
     if fmt == DCP:
         try:
@@ -259,14 +302,13 @@ def parse_check(ckpt_dir: str, manifest: Manifest) -> dict[str, Any]:
                 problems.append(f"files the metadata references are not in the manifest: {sorted(missing)}")
         except ConfigError as e:
             problems.append(str(e))
-    elif fmt == TORCH_SAVE:
-        import torch
-
-        for name in manifest.files:
-            try:
-                torch.load(os.path.join(ckpt_dir, name), map_location="cpu", weights_only=True, mmap=True)
-            except Exception as e:  # what the restricted loader refuses is not ours to run
-                problems.append(f"{name}: the restricted loader refuses it ({type(e).__name__}: {str(e)[:200]})")
+    elif fmt in (TORCH_SAVE, HF_TRAINER):
+        for name in sorted(manifest.files):
+            why = _parse_problem(os.path.join(ckpt_dir, *name.split("/")), name, fmt)
+            if why == _NOT_PARSED:
+                not_parsed.append(name)
+            elif why:
+                problems.append(why)
     else:
         problems.append(f"unknown adopted format {fmt!r}")
     return {
@@ -274,8 +316,67 @@ def parse_check(ckpt_dir: str, manifest: Manifest) -> dict[str, Any]:
         "check": "parse",
         "format": fmt,
         "problems": problems,
+        "not_parsed": not_parsed,
         "seconds": time.perf_counter() - t0,
     }
+
+
+_NOT_PARSED = "-"
+_TORCH_FILES = (".pt", ".pth", ".bin", ".ckpt")
+
+
+def _parse_problem(path: str, name: str, fmt: str) -> str | None:
+    """What is wrong with one adopted file, parsed without running a pickle: None when it parses,
+    ``_NOT_PARSED`` for a file of no format checked here (bytes only: the digests cover it)."""
+    import json
+
+    base = name.rsplit("/", 1)[-1]
+    try:
+        if fmt == HF_TRAINER and base == HF_ARGS:
+            return _NOT_PARSED
+        if fmt == TORCH_SAVE or base.endswith(_TORCH_FILES):
+            from ckptflow.trainer.dcp.planner import restricted_load
+
+            try:
+                restricted_load(path, map_location="cpu", mmap=True)
+            except Exception as e:  # what the restricted loader refuses is not ours to run
+                return f"{name}: the restricted loader refuses it ({type(e).__name__}: {str(e)[:200]})"
+            return None
+        if base.endswith(".safetensors"):
+            return _safetensors_problem(path, name)
+        if base.endswith(".json"):
+            with open(path, encoding="utf-8") as f:
+                json.load(f)
+            return None
+    except (OSError, ValueError) as e:
+        return f"{name}: does not parse ({type(e).__name__}: {str(e)[:200]})"
+    return _NOT_PARSED
+
+
+def _safetensors_problem(path: str, name: str) -> str | None:
+    """A safetensors file's header (8-byte length, then JSON) and that its tensors' byte ranges
+    tile the data section exactly: what a reader trusts before it maps the file."""
+    import json
+    import struct
+
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"{name}: shorter than a safetensors header"
+        (n,) = struct.unpack("<Q", head)
+        if n > min(size - 8, 100 << 20):
+            return f"{name}: header length {n} does not fit the file ({size} bytes)"
+        header = json.loads(f.read(n))
+    spans = sorted(tuple(v["data_offsets"]) for k, v in header.items() if k != "__metadata__")
+    end = 0
+    for a, b in spans:
+        if a != end or b < a:
+            return f"{name}: tensor bytes {a}-{b} do not follow {end}: damaged or not safetensors"
+        end = b
+    if 8 + n + end != size:
+        return f"{name}: {size} bytes, its header accounts for {8 + n + end}"
+    return None
 
 
 def watch(

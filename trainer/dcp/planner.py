@@ -34,7 +34,7 @@ from ckptflow.trainer.dcp._tensoritem import NOT_PLAIN, plain_item
 from ckptflow.trainer.dcp.staging import layout_of
 from ckptflow.trainer.errors import IntegrityError
 
-__all__ = ["SafeLoadPlanner", "canonical_planner", "drop_cached_plans"]
+__all__ = ["SafeLoadPlanner", "canonical_planner", "drop_cached_plans", "restricted_load"]
 
 
 def canonical_planner(cache_key: str | None = None) -> DefaultSavePlanner:
@@ -156,24 +156,30 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
     @staticmethod
     def _restricted_load(read_item: ReadItem, value: io.BytesIO) -> Any:
-        import numpy as np
+        try:
+            return restricted_load(value)
+        except Exception as e:  # anything the restricted loader refuses is not ours to run
+            raise IntegrityError(
+                f"{read_item.dest_index.fqn}: a non-tensor item the restricted loader refuses "
+                f"({type(e).__name__}: {str(e)[:200]}); not loading it"
+            ) from None
 
-        allowed: list[Any] = [np.dtype, np.ndarray]
-        for mod in ("numpy.core.multiarray", "numpy._core.multiarray"):  # layout-1 RNG states are arrays
-            try:
-                allowed.append(__import__(mod, fromlist=["_reconstruct"])._reconstruct)
-            except (ImportError, AttributeError):
-                pass
-        allowed += [type(np.dtype(d)) for d in ("uint32", "float64", "int64")]
-        with torch.serialization.safe_globals(allowed):
-            try:
-                obj = torch.load(value, weights_only=True)
-            except Exception as e:  # anything the restricted loader refuses is not ours to run
-                raise IntegrityError(
-                    f"{read_item.dest_index.fqn}: a non-tensor item the restricted loader refuses "
-                    f"({type(e).__name__}: {str(e)[:200]}); not loading it"
-                ) from None
-        return obj
+
+def restricted_load(f: Any, **kw: Any) -> Any:
+    """``torch.load(f, weights_only=True)``, PyTorch's restricted unpickler, with numpy's array
+    rebuilders allowed (RNG states are arrays: ckptflow's before state layout 2, Hugging Face's
+    ``rng_state.pth``); anything else a pickle would build is refused."""
+    import numpy as np
+
+    allowed: list[Any] = [np.dtype, np.ndarray]
+    for mod in ("numpy.core.multiarray", "numpy._core.multiarray"):
+        try:
+            allowed.append(__import__(mod, fromlist=["_reconstruct"])._reconstruct)
+        except (ImportError, AttributeError):
+            pass
+    allowed += [type(np.dtype(d)) for d in ("uint32", "float64", "int64")]
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(f, weights_only=True, **kw)
 
 
 def _whole_chunk_reads(fqn: str, md: TensorStorageMetadata, obj: Any) -> list[ReadItem]:

@@ -46,7 +46,8 @@ KEY_ENV = "CKPTFLOW_MANIFEST_KEY"
 KEY_BLOCK_ENV = "CKPTFLOW_MANIFEST_KEY_BLOCK"
 ADOPTED = "adopted"
 """The key of an adopted checkpoint's manifest (``tasks/adopt.py``): ``{"source", "format",
-"adopted_at"}``. One adopted as a ``torch.save`` file has no DCP ``.metadata``."""
+"adopted_at"}``. One adopted in another format than DCP's (a ``torch.save`` file, a Hugging Face
+``checkpoint-N/``) has no DCP ``.metadata``."""
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest larger than this is not ours: refuse early
 
 
@@ -197,7 +198,8 @@ class Manifest:
                 "damaged or was edited, restore an older one",
                 path=source,
             ) from None
-        if layout.DCP_METADATA not in m.files and (m.extra.get(ADOPTED) or {}).get("format") != "torch_save":
+        adopted_as = (m.extra.get(ADOPTED) or {}).get("format")
+        if layout.DCP_METADATA not in m.files and adopted_as in (None, "dcp"):  # DCP's, or adopted as DCP
             raise ManifestError(f"{source}: manifest does not list DCP's {layout.DCP_METADATA}", path=source)
         return m
 
