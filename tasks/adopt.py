@@ -99,6 +99,14 @@ def inspect(path: str) -> Source:
 
 
 def _dcp_folder(path: str) -> Source:
+    # Every file of the folder, not only those the metadata names: a tool's own beside DCP's
+    # (Lightning's sharded folders keep their non-tensor state in meta.pt) belongs to the checkpoint.
+    return Source(path, DCP, _all_files(path), _check_dcp(path))
+
+
+def _check_dcp(path: str) -> int:
+    """A finished DCP checkpoint in ``path``: its ``.metadata`` parses through the allow-list and
+    every file it references is long enough for its items. Returns the saving world size."""
     from ckptflow.trainer.format.dcpmeta import read_dcp_metadata
 
     if not os.path.isfile(os.path.join(path, layout.DCP_METADATA)):
@@ -116,7 +124,6 @@ def _dcp_folder(path: str) -> Source:
         if rel is None:
             continue
         need[rel] = max(need.get(rel, 0), int(info.offset) + int(info.length))
-    files = {layout.DCP_METADATA: os.path.join(path, layout.DCP_METADATA)}
     for rel, end in sorted(need.items()):
         layout.check_member_name(rel)
         p = os.path.join(path, *rel.split("/"))
@@ -127,9 +134,24 @@ def _dcp_folder(path: str) -> Source:
                 f"{p} is {what}: the checkpoint in {path} is incomplete or still being written; "
                 "adopt it once its save has finished"
             )
-        files[rel] = p
     ranks = {int(m.group(1)) for rel in need if (m := re.match(r"__(\d+)_", rel))}
-    return Source(path, DCP, files, max(1, len(ranks)))
+    return max(1, len(ranks))
+
+
+def _all_files(path: str) -> dict[str, str]:
+    """Every regular file under ``path``, by its "/"-separated name inside it."""
+    files: dict[str, str] = {}
+    for d, _, names in os.walk(path):
+        for n in names:
+            full = os.path.join(d, n)
+            if os.path.isfile(full) and not os.path.islink(full):
+                files[layout.check_member_name(os.path.relpath(full, path).replace(os.sep, "/"))] = full
+    if layout.MANIFEST in files:
+        raise ConfigError(
+            f"{path} holds a {layout.MANIFEST}: it is a ckptflow checkpoint already, not one to adopt; "
+            "a committed checkpoint moves between roots with `ckptflow restore`"
+        )
+    return files
 
 
 def _looks_hf(path: str) -> bool:
@@ -150,13 +172,7 @@ def _hf_folder(path: str) -> Source:
             f"{path} has no readable {HF_STATE}: the Hugging Face Trainer writes it last, so the "
             "checkpoint is still being written (or is not one); adopt it once it is"
         ) from None
-    files: dict[str, str] = {}
-    for d, _, names in os.walk(path):
-        for n in names:
-            full = os.path.join(d, n)
-            rel = os.path.relpath(full, path).replace(os.sep, "/")
-            if os.path.isfile(full) and not os.path.islink(full):
-                files[layout.check_member_name(rel)] = full
+    files = _all_files(path)
     ranks = sum(1 for n in files if re.fullmatch(r"rng_state_\d+\.pth", n))
     return Source(path, HF_TRAINER, files, max(1, ranks))
 
@@ -296,20 +312,19 @@ def parse_check(ckpt_dir: str, manifest: Manifest) -> dict[str, Any]:
     t0 = time.perf_counter()
     if fmt == DCP:
         try:
-            inspect_dir = _dcp_folder(ckpt_dir)
-            missing = set(inspect_dir.files) - set(manifest.files)
-            if missing:
-                problems.append(f"files the metadata references are not in the manifest: {sorted(missing)}")
+            _check_dcp(ckpt_dir)  # .metadata through the allow-list; every item inside its file
         except ConfigError as e:
             problems.append(str(e))
-    elif fmt in (TORCH_SAVE, HF_TRAINER):
+    if fmt in (DCP, TORCH_SAVE, HF_TRAINER):
         for name in sorted(manifest.files):
+            if fmt == DCP and (name == layout.DCP_METADATA or name.endswith(".distcp")):
+                continue  # checked above: DCP's own files
             why = _parse_problem(os.path.join(ckpt_dir, *name.split("/")), name, fmt)
             if why == _NOT_PARSED:
                 not_parsed.append(name)
             elif why:
                 problems.append(why)
-    else:
+    if fmt not in (DCP, TORCH_SAVE, HF_TRAINER):
         problems.append(f"unknown adopted format {fmt!r}")
     return {
         "ok": not problems,

@@ -77,6 +77,7 @@ def test_a_dcp_folder_is_adopted_committed_announced_and_taken_to_cold(prefect_a
     from ckptflow.flows.lifecycle import lifecycle
 
     src = _dcp_folder(tmp_path / "titan")
+    torch.save({"epoch": 3, "loops": {"fit": 30}}, os.path.join(src, "meta.pt"))  # a tool's own file beside DCP's
     hot = tmp_path / "hot"
     r = _adopt(
         src, "--run-id", "titan", "--root", str(hot), "--json", env=torchrun_env({"PREFECT_API_URL": prefect_api})
@@ -105,6 +106,7 @@ def test_a_dcp_folder_is_adopted_committed_announced_and_taken_to_cold(prefect_a
     out = lifecycle(run_id="titan", step=30, uri=rec["uri"], config=cfg)
     assert out["status"] == "done", out
     assert out["verify"]["sanity"]["check"] == "parse" and out["verify"]["sanity"]["ok"], out["verify"]
+    assert out["verify"]["sanity"]["not_parsed"] == []  # meta.pt went through the restricted loader
     assert 30 in cold_steps(s3_endpoint, s3_bucket, "titan")
 
 
@@ -252,3 +254,12 @@ def test_two_adoptions_of_one_step_at_once_commit_it_once(tmp_path):
     assert [p.returncode for p in procs] == [0, 0], outs
     assert sorted("already" in o for o, _ in outs) == [False, True], outs
     assert committed_steps(str(hot / "t")) == [30] and len(read_outbox(str(hot / "t"))) == 1
+
+
+def test_a_ckptflow_checkpoint_is_not_adopted_again(tmp_path):
+    src = _dcp_folder(tmp_path / "titan")
+    hot = tmp_path / "hot"
+    assert _adopt(src, "--run-id", "t", "--root", str(hot)).returncode == 0
+    r = _adopt(str(hot / "t" / layout.step_name(30)), "--run-id", "u", "--root", str(hot))
+    assert r.returncode == 2 and "ckptflow checkpoint already" in r.stderr, r.stderr
+    assert committed_steps(str(hot / "u")) == []
