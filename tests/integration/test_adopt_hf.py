@@ -1,6 +1,8 @@
-"""A Hugging Face ``Trainer`` checkpoint adopted: the real ``transformers`` writes ``checkpoint-N/``
-(a tiny GPT-2 built from a config, on CPU), ``ckptflow adopt`` commits it, its files parse without a
-pickle, and the Trainer resumes from the adopted copy to the same losses as the run it came from."""
+"""The Hugging Face ``Trainer`` with ckptflow: the real ``transformers`` trains a tiny GPT-2 built from
+a config, on CPU. ``CkptflowCallback`` adopts each ``checkpoint-N`` as the Trainer writes it, the
+lifecycle takes it to cold, and after the machine is lost (output folder, hot and warm gone)
+``latest_verified`` fetches it back from cold and the Trainer resumes to the uninterrupted run's
+losses. ``ckptflow adopt`` catches a folder still being written, and the parse check a damaged one."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import subprocess
 
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.format.commit import committed_steps
-from tests.helpers import PY, REPO, run_script, script_result, torchrun_env
+from tests.helpers import PY, REPO, cold_steps, run_script, script_result, torchrun_env, write_config
 
 TRAIN = """
 import json, os, torch
@@ -24,17 +26,26 @@ data = [{"input_ids": x, "labels": x} for x in torch.randint(0, 64, (48, 16), ge
 args = TrainingArguments(
     output_dir=os.environ["OUT"], max_steps=int(os.environ["MAX_STEPS"]), save_steps=2,
     per_device_train_batch_size=4, report_to=[], use_cpu=True, logging_steps=1, seed=0,
-    dataloader_num_workers=0, disable_tqdm=True,
+    dataloader_num_workers=0, disable_tqdm=True, save_total_limit=1,
 )
-tr = Trainer(model=model, args=args, train_dataset=data)
-tr.train(resume_from_checkpoint=os.environ.get("RESUME") or None)
+callbacks = []
+if os.environ.get("RUN_ID"):
+    from ckptflow.integrations.transformers import CkptflowCallback
+    callbacks.append(CkptflowCallback(os.environ["RUN_ID"]))
+tr = Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
+resume = os.environ.get("RESUME")
+if resume == "latest":
+    from ckptflow.integrations.transformers import latest_verified
+    resume = latest_verified(os.environ["OUT"], run_id="hf")
+    print("RESUMED " + json.dumps(resume))
+tr.train(resume_from_checkpoint=resume or None)
 logged = [h for h in tr.state.log_history if "loss" in h]
 print("RESULT " + json.dumps({"step": tr.state.global_step, "losses": {h["step"]: h["loss"] for h in logged}}))
 """
 
 
-def _train(out, steps: int, resume: str = "") -> dict:
-    r = run_script(TRAIN, {"OUT": str(out), "MAX_STEPS": str(steps), "RESUME": resume}, timeout=600)
+def _train(out, steps: int, resume: str = "", env: dict | None = None) -> dict:
+    r = run_script(TRAIN, {"OUT": str(out), "MAX_STEPS": str(steps), "RESUME": resume, **(env or {})}, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return script_result(r.stdout)
 
@@ -50,30 +61,55 @@ def _adopt(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_a_trainer_checkpoint_is_adopted_parses_and_resumes_to_the_same_losses(tmp_path):
+def test_the_callback_adopts_each_checkpoint_and_a_lost_machine_resumes_from_cold_to_the_same_losses(
+    prefect_api, s3_endpoint, s3_bucket, tmp_path
+):
+    from ckptflow.flows.lifecycle import lifecycle
+    from ckptflow.integrations.transformers import latest_verified
     from ckptflow.tasks.adopt import parse_check
+    from ckptflow.trainer.events import read_outbox
     from ckptflow.trainer.format.manifest import read_manifest
 
-    full = _train(tmp_path / "hf", 6)
-    src = tmp_path / "hf" / "checkpoint-4"
-    hot = tmp_path / "hot"
-    r = _adopt(str(src), "--run-id", "hf", "--root", str(hot), "--json")
-    assert r.returncode == 0, r.stderr
-    final = hot / "hf" / layout.step_name(4)
-    m = read_manifest(str(final))
+    hot, out = tmp_path / "hot", tmp_path / "hf"
+    cfg = write_config(tmp_path, hot, s3_endpoint, s3_bucket)
+    env = {"RUN_ID": "hf", "CKPTFLOW_CONFIG": cfg, "PREFECT_API_URL": prefect_api}
+    full = _train(out, 6, env=env)
+    run = hot / "hf"
+    assert committed_steps(str(run)) == [6, 4, 2] and [r["step"] for r in read_outbox(str(run))] == [2, 4, 6]
+    assert os.listdir(out) == ["checkpoint-6"]  # save_total_limit=1 trims the Trainer's folder, not ckptflow's
+    step4 = run / layout.step_name(4)
+    m = read_manifest(str(step4))
     assert m.extra["adopted"]["format"] == "hf_trainer"
     assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"} <= set(m.files)
-    res = parse_check(str(final), m)
+    res = parse_check(str(step4), m)
     assert res["ok"], res
     assert "training_args.bin" in res["not_parsed"] and "optimizer.pt" not in res["not_parsed"]
-    v = subprocess.run([PY, "-m", "ckptflow.cli.main", "verify", str(final)], cwd=REPO, capture_output=True, text=True)
-    assert v.returncode == 0, v.stdout + v.stderr
 
-    # The real consumer: the Trainer resumes from the adopted copy, and the steps after it are the
-    # uninterrupted run's (same data order, RNG and optimizer state).
-    resumed = _train(tmp_path / "again", 6, resume=str(final))
-    assert resumed["step"] == 6 and os.listdir(tmp_path / "again") == ["checkpoint-6"], "it trained steps 5-6 only"
+    done = lifecycle(run_id="hf", step=4, uri=str(step4), config=cfg)
+    assert done["status"] == "done" and done["verify"]["sanity"]["check"] == "parse", done
+    assert 4 in cold_steps(s3_endpoint, s3_bucket, "hf")
+
+    # The newest copy that verifies, in place on hot; a damaged one is passed over for the step before.
+    assert latest_verified(str(out), run_id="hf", config=cfg) == str(run / layout.step_name(6))
+    with open(run / layout.step_name(6) / "model.safetensors", "r+b") as f:
+        f.write(b"\0" * 64)
+    assert latest_verified(str(out), run_id="hf", config=cfg) == str(step4)
+
+    # The machine is lost: the Trainer's folder, hot and warm. Step 4 comes back from cold, and the
+    # Trainer resumes from it to the uninterrupted run's losses (same data order, RNG, optimizer).
+    for gone in (out, hot, tmp_path / "warm"):
+        shutil.rmtree(gone)
+    resumed = _train(out, 6, resume="latest", env={"CKPTFLOW_CONFIG": cfg})
+    assert resumed["step"] == 6
+    assert sorted(os.listdir(out)) == ["checkpoint-6", "ckptflow-restored-step-4"], "it trained steps 5-6 only"
     assert [resumed["losses"][s] for s in ("5", "6")] == [full["losses"][s] for s in ("5", "6")], (resumed, full)
+    v = subprocess.run(
+        [PY, "-m", "ckptflow.cli.main", "verify", str(out / "ckptflow-restored-step-4")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert v.returncode == 0, v.stdout + v.stderr
 
 
 def test_a_trainer_checkpoint_still_being_written_or_damaged_is_caught(tmp_path):

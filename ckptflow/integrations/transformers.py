@@ -1,0 +1,167 @@
+"""The Hugging Face ``Trainer`` with ckptflow's lifecycle: every ``checkpoint-N`` adopted as it is
+written, and a resume from the newest checkpoint that verifies on any tier.
+
+    from ckptflow.integrations.transformers import CkptflowCallback, latest_verified
+
+    trainer = Trainer(..., callbacks=[CkptflowCallback(run_id="gpt")])
+    trainer.train(resume_from_checkpoint=latest_verified(args.output_dir, run_id="gpt"))
+
+The callback copies each ``checkpoint-N`` into the hot root the moment the ``Trainer`` has finished
+it (``on_save`` runs after ``trainer_state.json``, the last file, is written) and commits it with a
+manifest and the ``ckptflow.checkpoint.committed`` event, as ``ckptflow adopt`` does; the deployed
+lifecycle verifies, tiers, prunes and drills it from there. The copy runs in the training loop:
+the ``Trainer`` deletes old folders (``save_total_limit``) at its next save, and a copy still being
+made then would lose its source.
+
+``save_total_limit`` and ckptflow's retention: they govern different copies. ``save_total_limit``
+trims the ``Trainer``'s own ``output_dir``; the adopted copies are ckptflow's, kept per tier by the
+config's retention (``[hot.retention]``, ``[warm.retention]``, ``[cold.retention]``). With the
+callback, ``save_total_limit=1`` is enough: history lives in ckptflow's tiers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from ckptflow.tasks.adopt import adopt, is_adopted, parse_check
+from ckptflow.tasks.config import load_config
+from ckptflow.tasks.storage import Tier, open_tiers
+from ckptflow.tasks.transfer import restore
+from ckptflow.trainer.errors import CheckpointNotFoundError
+from ckptflow.trainer.format import layout
+from ckptflow.trainer.verify import verify_checkpoint
+
+try:  # the callback is a TrainerCallback when transformers is installed; latest_verified needs nothing
+    from transformers import TrainerCallback as _Base
+except ImportError:  # pragma: no cover - exercised only without the extra
+    _Base = object  # type: ignore[assignment,misc]
+
+__all__ = ["CkptflowCallback", "latest_verified"]
+
+RESTORED_PREFIX = "ckptflow-restored-step-"
+"""Where :func:`latest_verified` puts a checkpoint fetched from warm or cold, in ``output_dir``: not
+``checkpoint-*``, so the ``Trainer``'s rotation never counts or deletes it."""
+
+
+class CkptflowCallback(_Base):
+    """Adopts each ``checkpoint-N`` the ``Trainer`` saves as ``run_id`` step N.
+
+    ``config``: the ckptflow config file (default: ``$CKPTFLOW_CONFIG`` or ``./ckptflow.toml``);
+    its ``[hot] url`` is where checkpoints are committed unless ``root`` is given. The event goes
+    to ``$PREFECT_API_URL`` when set (the outbox line is written either way)."""
+
+    def __init__(self, run_id: str, *, config: str | None = None, root: str | None = None) -> None:
+        if _Base is object:
+            raise ImportError("CkptflowCallback needs transformers: pip install 'ckptflow[transformers]'")
+        self.run_id = layout.check_run_id(run_id)
+        self.root = root if root is not None else load_config(config).hot.url  # always local
+        self.adopted: list[dict[str, Any]] = []
+        """The committed record of each checkpoint adopted in this process, in order."""
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        import torch.distributed as dist
+
+        # Every process writes its own RNG file; process zero adopts once all have finished
+        # (the barrier is on the Trainer's group, with its timeout, at the same step on each rank).
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+        if not state.is_world_process_zero:
+            return
+        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        self.adopted.append(
+            adopt(
+                folder,
+                run_id=self.run_id,
+                root=self.root,
+                step=state.global_step,
+                api_url=os.environ.get("PREFECT_API_URL"),
+            )
+        )
+
+
+def latest_verified(
+    output_dir: str,
+    *,
+    run_id: str,
+    config: str | None = None,
+    root: str | None = None,
+) -> str | None:
+    """The newest checkpoint of ``run_id`` that verifies, as a folder ``Trainer.train(
+    resume_from_checkpoint=...)`` reads; None when the run has no committed checkpoint anywhere
+    (a first start).
+
+    Newest step first; for one step the hot copy is checked in place (every file's digest, then
+    the pickle-free parse of each file) and returned as it is, and when it is gone, damaged or
+    quarantined the step is fetched from warm or cold — every byte checked — into
+    ``output_dir/ckptflow-restored-step-N``. A step with no good copy anywhere is passed over for
+    the one before it. Raises CheckpointNotFoundError, naming every copy tried and why it failed,
+    when checkpoints exist and none verifies: starting from scratch is never silent."""
+    layout.check_run_id(run_id)
+    cfg = load_config(config)
+    tiers = open_tiers(cfg)
+    if root is not None:
+        tiers = [Tier(dataclasses.replace(cfg.hot, url=root)), *tiers[1:]]
+    hot, rest = tiers[0], tiers[1:]
+    steps: set[int] = set()
+    unreachable: list[str] = []
+    for t in tiers:
+        try:
+            steps.update(t.committed_steps(run_id))
+        except Exception as e:  # noqa: BLE001 - an unreachable tier must not stop the others
+            unreachable.append(f"{t.name} ({t.url}): cannot list it: {type(e).__name__}: {e}")
+    if not steps:
+        if unreachable:
+            raise CheckpointNotFoundError(f"run {run_id}: no tier could be listed — {'; '.join(unreachable)}")
+        return None
+    tried = list(unreachable)
+    for step in sorted(steps, reverse=True):
+        problem = _hot_problem(hot, run_id, step)
+        if problem is None:
+            return hot.url_for(run_id, step)
+        tried.append(f"hot step {step}: {problem}")
+        dst = os.path.join(output_dir, f"{RESTORED_PREFIX}{step}")
+        if os.path.isdir(dst) and _local_problem(dst) is None:
+            return dst  # fetched by an earlier call
+        _clear(dst)
+        try:
+            return restore(rest, run_id, dst, step=step, holder="latest_verified").dst_dir
+        except CheckpointNotFoundError as e:
+            _clear(dst)
+            tried.append(str(e))
+    raise CheckpointNotFoundError(f"run {run_id}: no checkpoint verifies — {'; '.join(tried)}")
+
+
+def _hot_problem(hot: Tier, run_id: str, step: int) -> str | None:
+    try:
+        if not hot.is_committed(run_id, step):
+            return "not on hot"
+        if hot.is_quarantined(run_id, step):
+            return "quarantined by the verify stage"
+    except OSError as e:
+        return f"{type(e).__name__}: {e}"
+    return _local_problem(hot.url_for(run_id, step))
+
+
+def _local_problem(folder: str) -> str | None:
+    from ckptflow.trainer.format.manifest import read_manifest
+
+    try:
+        res = verify_checkpoint(folder)
+        if not res.ok:
+            return "; ".join(str(p) for p in res.problems)
+        m = read_manifest(folder)
+    except Exception as e:  # noqa: BLE001 - any failure to read it is a reason to fetch another copy
+        return f"{type(e).__name__}: {e}"
+    if is_adopted(m):
+        parsed = parse_check(folder, m)
+        if not parsed["ok"]:
+            return "; ".join(parsed["problems"])
+    return None
+
+
+def _clear(dst: str) -> None:
+    import shutil
+
+    shutil.rmtree(dst, ignore_errors=True)
