@@ -210,16 +210,8 @@ def adopt(
     if step < 0:
         raise ConfigError(f"step {step} must be >= 0")
     src = inspect(path)
-    run_path = os.path.join(os.path.abspath(root), run_id)
-    final = os.path.join(run_path, layout.step_name(step))
-    os.makedirs(run_path, exist_ok=True)
-    with _run_lock(run_path):  # one adoption at a time per run: two watchers never share a .tmp
-        if RENAME.is_committed(run_path, step):
-            return _already(src, run_path, run_id, step, final, api_url)
-        tmp = RENAME.staging_url(run_path, step)
-        remove_tree(tmp)  # an earlier adoption that crashed: never trusted, started over
-        os.makedirs(tmp)
-        entries: dict[str, FileEntry] = {}
+
+    def copy(tmp: str) -> None:
         for name, source in src.files.items():
             before = os.stat(source)
             dest = os.path.join(tmp, *name.split("/"))
@@ -227,21 +219,69 @@ def adopt(
             shutil.copyfile(source, dest)
             after = os.stat(source)
             if (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns):
-                remove_tree(tmp)
                 raise NotFinished(f"{source} changed while it was copied: still being written; adopt it when done")
+            faults.maybe_crash("adopt.copy", step)
+
+    return commit_written(
+        run_id=run_id,
+        root=root,
+        step=step,
+        write=copy,
+        adopted={"source": src.path, "format": src.format},
+        world_size=src.world_size,
+        api_url=api_url,
+        already=lambda final, run_path: _already(src, run_path, run_id, step, final, api_url),
+    )
+
+
+def commit_written(
+    *,
+    run_id: str,
+    root: str,
+    step: int,
+    write: Callable[[str], None],
+    adopted: dict[str, Any],
+    world_size: int,
+    api_url: str | None = None,
+    already: Callable[[str, str], dict[str, Any]],
+) -> dict[str, Any]:
+    """Commit the files ``write(folder)`` puts into a fresh staging folder as ``run_id`` step
+    ``step`` under ``root``: each made durable and digested, the manifest (``adopted`` records who
+    wrote them, with ``format`` for the parse check), the commit, then the outbox line and event.
+    When the step is committed already, nothing is written and ``already(final, run_path)`` answers.
+    A failure or crash before the commit leaves a staging folder no reader trusts, cleared by the
+    next commit of that step. Returns the committed record."""
+    layout.check_run_id(run_id)
+    run_path = os.path.join(os.path.abspath(root), run_id)
+    final = os.path.join(run_path, layout.step_name(step))
+    os.makedirs(run_path, exist_ok=True)
+    with _run_lock(run_path):  # one commit at a time per run: two writers never share a .tmp
+        if RENAME.is_committed(run_path, step):
+            return already(final, run_path)
+        tmp = RENAME.staging_url(run_path, step)
+        remove_tree(tmp)  # an earlier one that crashed: never trusted, started over
+        os.makedirs(tmp)
+        try:
+            write(tmp)
+        except BaseException:
+            remove_tree(tmp)
+            raise
+        entries: dict[str, FileEntry] = {}
+        folders = set()
+        for name, dest in sorted(_all_files(tmp).items()):
             with open(dest, "rb+") as f:
                 os.fsync(f.fileno())
             d = digest_file(dest)
             entries[name] = FileEntry(d.size, d.hexdigest(), d.block, d.blocks())
-            faults.maybe_crash("adopt.copy", step)
-        for folder in {os.path.dirname(os.path.join(tmp, *n.split("/"))) for n in entries}:
+            folders.add(os.path.dirname(dest))
+        for folder in folders:
             fsync_dir(folder)
         manifest = Manifest(
             run_id=run_id,
             step=step,
-            world_size=src.world_size,
+            world_size=world_size,
             files=entries,
-            extra={ADOPTED: {"source": src.path, "format": src.format, "adopted_at": time.time()}},
+            extra={ADOPTED: {**adopted, "adopted_at": time.time()}},
         )
         commit_checkpoint(run_path, manifest)
         return _announce(manifest, run_path, final, api_url)

@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ckptflow.tasks.adopt import is_adopted, parse_check
+from ckptflow.tasks.adopt import DCP, is_adopted, parse_check
 from ckptflow.tasks.storage import Tier, acquire_lease
 from ckptflow.tasks.transfer import fetch
 from ckptflow.tasks.verify import run_sanity
@@ -108,9 +108,12 @@ def drill_one(
         res.saved_world_size = v.manifest.world_size
         res.world_size = other_world_size(v.manifest.world_size, world_size)
         ts = time.perf_counter()
-        if is_adopted(v.manifest):  # no recorded probe to replay: every file parses, pickle-free
-            res.world_size = v.manifest.world_size
+        if is_adopted(v.manifest):  # no recorded probe to replay: every file parses, pickle-free,
             san = parse_check(ckpt_dir, v.manifest)
+            if san["ok"] and san["format"] == DCP:  # and DCP's restores whole at another world size
+                san = {**run_sanity(ckpt_dir, nproc=res.world_size, stats=False), "parse": san}
+            else:
+                res.world_size = v.manifest.world_size
         else:
             san = run_sanity(ckpt_dir, nproc=res.world_size, stats=False)
         res.seconds["sanity"] = time.perf_counter() - ts

@@ -21,17 +21,13 @@ callback, ``save_total_limit=1`` is enough: history lives in ckptflow's tiers.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any
 
-from ckptflow.tasks.adopt import adopt, is_adopted, parse_check
+from ckptflow.integrations._resolve import newest_verified, run_tiers
+from ckptflow.tasks.adopt import adopt
 from ckptflow.tasks.config import load_config
-from ckptflow.tasks.storage import Tier, open_tiers
-from ckptflow.tasks.transfer import restore
-from ckptflow.trainer.errors import CheckpointNotFoundError
 from ckptflow.trainer.format import layout
-from ckptflow.trainer.verify import verify_checkpoint
 
 try:  # the callback is a TrainerCallback when transformers is installed; latest_verified needs nothing
     from transformers import TrainerCallback as _Base
@@ -98,70 +94,5 @@ def latest_verified(
     ``output_dir/ckptflow-restored-step-N``. A step with no good copy anywhere is passed over for
     the one before it. Raises CheckpointNotFoundError, naming every copy tried and why it failed,
     when checkpoints exist and none verifies: starting from scratch is never silent."""
-    layout.check_run_id(run_id)
-    cfg = load_config(config)
-    tiers = open_tiers(cfg)
-    if root is not None:
-        tiers = [Tier(dataclasses.replace(cfg.hot, url=root)), *tiers[1:]]
-    hot, rest = tiers[0], tiers[1:]
-    steps: set[int] = set()
-    unreachable: list[str] = []
-    for t in tiers:
-        try:
-            steps.update(t.committed_steps(run_id))
-        except Exception as e:  # noqa: BLE001 - an unreachable tier must not stop the others
-            unreachable.append(f"{t.name} ({t.url}): cannot list it: {type(e).__name__}: {e}")
-    if not steps:
-        if unreachable:
-            raise CheckpointNotFoundError(f"run {run_id}: no tier could be listed — {'; '.join(unreachable)}")
-        return None
-    tried = list(unreachable)
-    for step in sorted(steps, reverse=True):
-        problem = _hot_problem(hot, run_id, step)
-        if problem is None:
-            return hot.url_for(run_id, step)
-        tried.append(f"hot step {step}: {problem}")
-        dst = os.path.join(output_dir, f"{RESTORED_PREFIX}{step}")
-        if os.path.isdir(dst) and _local_problem(dst) is None:
-            return dst  # fetched by an earlier call
-        _clear(dst)
-        try:
-            return restore(rest, run_id, dst, step=step, holder="latest_verified").dst_dir
-        except CheckpointNotFoundError as e:
-            _clear(dst)
-            tried.append(str(e))
-    raise CheckpointNotFoundError(f"run {run_id}: no checkpoint verifies — {'; '.join(tried)}")
-
-
-def _hot_problem(hot: Tier, run_id: str, step: int) -> str | None:
-    try:
-        if not hot.is_committed(run_id, step):
-            return "not on hot"
-        if hot.is_quarantined(run_id, step):
-            return "quarantined by the verify stage"
-    except OSError as e:
-        return f"{type(e).__name__}: {e}"
-    return _local_problem(hot.url_for(run_id, step))
-
-
-def _local_problem(folder: str) -> str | None:
-    from ckptflow.trainer.format.manifest import read_manifest
-
-    try:
-        res = verify_checkpoint(folder)
-        if not res.ok:
-            return "; ".join(str(p) for p in res.problems)
-        m = read_manifest(folder)
-    except Exception as e:  # noqa: BLE001 - any failure to read it is a reason to fetch another copy
-        return f"{type(e).__name__}: {e}"
-    if is_adopted(m):
-        parsed = parse_check(folder, m)
-        if not parsed["ok"]:
-            return "; ".join(parsed["problems"])
-    return None
-
-
-def _clear(dst: str) -> None:
-    import shutil
-
-    shutil.rmtree(dst, ignore_errors=True)
+    tiers = run_tiers(config, root)
+    return newest_verified(tiers, run_id, fetch_to=lambda step: os.path.join(output_dir, f"{RESTORED_PREFIX}{step}"))

@@ -71,43 +71,105 @@ def _adopt(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     )
 
 
-def test_a_dcp_folder_is_adopted_committed_announced_and_taken_to_cold(prefect_api, s3_endpoint, s3_bucket, tmp_path):
-    import torch.distributed.checkpoint as dcp
+TITAN = """
+import os, pickle, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.fsdp import fully_shard
 
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 8))
+for layer in (model[0], model[2]):
+    fully_shard(layer)
+fully_shard(model)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+for step in range(1, 21):
+    model(torch.randn(4, 16)).square().mean().backward()
+    opt.step(); opt.zero_grad(); sched.step()
+    if step % 10 == 0:
+        # torchtitan's CheckpointManager: the model's entries flattened at the top level, then the
+        # optimizer, scheduler, data loader (its own state per data-parallel rank, pickled) and
+        # train state, saved by dcp.save into <folder>/step-N
+        state = {
+            **get_model_state_dict(model),
+            "optimizer": get_optimizer_state_dict(model, opt),
+            "lr_scheduler": {"last_epoch": sched.last_epoch},
+            "dataloader": {f"dp_rank_{rank}": pickle.dumps({"samples_yielded": step * 4}), "world_size": 2},
+            "train_state": {"step": step, "ntokens_seen": step * 64},
+        }
+        dcp.save(state, checkpoint_id=os.path.join(os.environ["OUT"], f"step-{step}"))
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_torchtitan_s_checkpoints_are_adopted_as_written_taken_to_cold_and_drilled_at_another_world_size(
+    prefect_api, s3_endpoint, s3_bucket, tmp_path
+):
+    """``--watch`` on the folder a 2-rank FSDP2 job writes its checkpoints into as torchtitan's
+    checkpointer does (torchtitan itself needs a nightly torch): each ``step-N`` is adopted once DCP
+    has finished it, announced, taken to cold, and the drill restores it whole at world size 1."""
+    import signal
+    import time
+
+    from ckptflow.flows.drill import restore_drill
     from ckptflow.flows.lifecycle import lifecycle
 
-    src = _dcp_folder(tmp_path / "titan")
-    torch.save({"epoch": 3, "loops": {"fit": 30}}, os.path.join(src, "meta.pt"))  # a tool's own file beside DCP's
-    hot = tmp_path / "hot"
-    r = _adopt(
-        src, "--run-id", "titan", "--root", str(hot), "--json", env=torchrun_env({"PREFECT_API_URL": prefect_api})
-    )
-    assert r.returncode == 0, r.stderr
-    rec = json.loads(r.stdout)
+    folder, hot = tmp_path / "checkpoint", tmp_path / "hot"
+    folder.mkdir()
     run = hot / "titan"
-    final = run / layout.step_name(30)
-    assert rec["step"] == 30 and rec["uri"] == str(final) and rec["scope"] == "shared" and rec["adopted"] == "dcp"
-    assert committed_steps(str(run)) == [30] and not os.path.exists(str(final) + ".tmp")
-    assert [x["step"] for x in read_outbox(str(run))] == [30]  # the record reconcile reads
+    env = torchrun_env({"PREFECT_API_URL": prefect_api})
+    watch = subprocess.Popen(
+        [PY, "-m", "ckptflow.cli.main", "adopt", "--watch", str(folder), "--run-id", "titan", "--root", str(hot)]
+        + ["--poll-s", "0.2", "--json"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        script = tmp_path / "titan.py"
+        script.write_text(TITAN)
+        job = subprocess.run(
+            [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
+            cwd=REPO,
+            env=torchrun_env({"OUT": str(folder)}),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert job.returncode == 0, job.stderr[-3000:]
+        deadline = time.monotonic() + 60
+        while committed_steps(str(run)) != [20, 10]:
+            assert watch.poll() is None and time.monotonic() < deadline, committed_steps(str(run))
+            time.sleep(0.1)
+    finally:
+        watch.send_signal(signal.SIGTERM)
+        out, err = watch.communicate(timeout=30)
+    assert watch.returncode == 0, err
+    assert [x["step"] for x in read_outbox(str(run))] == [10, 20]  # the records reconcile reads
+    final = run / layout.step_name(20)
     m = json.loads((final / layout.MANIFEST).read_text())
-    assert m["adopted"]["format"] == "dcp" and m["adopted"]["source"] == src
-    assert sorted(m["files"]) == sorted(os.listdir(src))
-    back = {k: torch.zeros_like(v) for k, v in _state().items()}
-    dcp.load(back, checkpoint_id=str(final), no_dist=True)  # still plain DCP
-    assert all(torch.equal(back[k], v) for k, v in _state().items())
-
-    ev = _server_event(prefect_api, resource_id("titan", 30))  # what the deployed trigger fires on
+    assert m["adopted"]["format"] == "dcp" and m["world_size"] == 2
+    assert sorted(m["files"]) == sorted(os.listdir(folder / "step-20"))
+    ev = _server_event(prefect_api, resource_id("titan", 20))  # what the deployed trigger fires on
     assert ev["event"] == COMMITTED and ev["payload"]["uri"] == str(final) and ev["payload"]["adopted"] == "dcp"
 
-    again = _adopt(src, "--run-id", "titan", "--root", str(hot))
-    assert again.returncode == 0 and "already adopted" in again.stdout, again.stderr
-
     cfg = write_config(tmp_path, hot, s3_endpoint, s3_bucket, hot_keep=5)
-    out = lifecycle(run_id="titan", step=30, uri=rec["uri"], config=cfg)
-    assert out["status"] == "done", out
-    assert out["verify"]["sanity"]["check"] == "parse" and out["verify"]["sanity"]["ok"], out["verify"]
-    assert out["verify"]["sanity"]["not_parsed"] == []  # meta.pt went through the restricted loader
-    assert 30 in cold_steps(s3_endpoint, s3_bucket, "titan")
+    done = lifecycle(run_id="titan", step=20, uri=str(final), config=cfg)
+    assert done["status"] == "done", done
+    assert done["verify"]["sanity"]["check"] == "parse" and done["verify"]["sanity"]["ok"], done["verify"]
+    assert 20 in cold_steps(s3_endpoint, s3_bucket, "titan")
+
+    drill = restore_drill(run_id="titan", config=cfg, history_dir=str(tmp_path / "drills"))
+    assert drill["ok"], drill
+    (res,) = drill["runs"]["titan"]["results"]
+    assert res["ok"] and res["tier"] == "cold" and (res["saved_world_size"], res["world_size"]) == (2, 1), res
+    assert res["seconds"]["load"] > 0
 
 
 def test_a_lightning_style_file_takes_its_step_from_its_name_and_parses_without_pickle(
@@ -127,9 +189,6 @@ def test_a_lightning_style_file_takes_its_step_from_its_name_and_parses_without_
     assert verify_checkpoint(str(final)).ok
     assert parse_check(str(final), read_manifest(str(final)))["ok"]
     cfg = write_config(tmp_path, hot, s3_endpoint, s3_bucket, hot_keep=5)
-    out = lifecycle(run_id="lit", step=40, uri=str(final), config=cfg)
-    assert out["status"] == "done" and out["verify"]["sanity"]["check"] == "parse", out
-    assert 40 in cold_steps(s3_endpoint, s3_bucket, "lit")
 
     bad = tmp_path / "step=50.ckpt"
     torch.save({"state_dict": _state(), "obj": NotOurs()}, bad)

@@ -1,0 +1,99 @@
+"""The newest checkpoint of a run that verifies, for a framework's resume: the hot copy checked in
+place, else the same step fetched from warm or cold, else the step before."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+from collections.abc import Callable
+
+from ckptflow.tasks.adopt import is_adopted, parse_check
+from ckptflow.tasks.config import load_config
+from ckptflow.tasks.storage import Tier, open_tiers
+from ckptflow.tasks.transfer import restore
+from ckptflow.trainer.errors import CheckpointNotFoundError
+from ckptflow.trainer.format import layout
+from ckptflow.trainer.format.manifest import read_manifest
+from ckptflow.trainer.verify import verify_checkpoint
+
+log = logging.getLogger(__name__)
+
+
+def run_tiers(config: str | None, root: str | None) -> list[Tier]:
+    """The config's tiers in restore order, hot at ``root`` when given."""
+    cfg = load_config(config)
+    tiers = open_tiers(cfg)
+    if root is not None:
+        tiers = [Tier(dataclasses.replace(cfg.hot, url=root)), *tiers[1:]]
+    return tiers
+
+
+def newest_verified(
+    tiers: list[Tier],
+    run_id: str,
+    *,
+    fetch_to: Callable[[int], str],
+    at_most: int | None = None,
+) -> str | None:
+    """The folder of the newest step (``<= at_most``) whose copy verifies: the hot copy in place
+    (every digest, then the pickle-free parse of an adopted one), else the step restored from the
+    other tiers into ``fetch_to(step)`` (a folder kept from an earlier call is checked and reused).
+    None when the run has no committed step; CheckpointNotFoundError naming every copy tried when
+    steps exist and none verifies."""
+    layout.check_run_id(run_id)
+    hot, rest = tiers[0], tiers[1:]
+    steps: set[int] = set()
+    tried: list[str] = []
+    for t in tiers:
+        try:
+            steps.update(s for s in t.committed_steps(run_id) if at_most is None or s <= at_most)
+        except Exception as e:  # noqa: BLE001 - an unreachable tier must not stop the others
+            tried.append(f"{t.name} ({t.url}): cannot list it: {type(e).__name__}: {e}")
+    if not steps and not tried:
+        return None
+    for step in sorted(steps, reverse=True):
+        problem = hot_problem(hot, run_id, step)
+        if problem is None:
+            return hot.url_for(run_id, step)
+        tried.append(f"hot step {step}: {problem}")
+        log.warning("%s step %d on hot: %s; looking further", run_id, step, problem)
+        dst = fetch_to(step)
+        if os.path.isdir(dst) and local_problem(dst) is None:
+            return dst  # fetched by an earlier call
+        shutil.rmtree(dst, ignore_errors=True)
+        try:
+            return restore(rest, run_id, dst, step=step, holder="ckptflow resume").dst_dir
+        except CheckpointNotFoundError as e:
+            shutil.rmtree(dst, ignore_errors=True)
+            tried.append(str(e))
+    raise CheckpointNotFoundError(f"run {run_id}: no checkpoint verifies — {'; '.join(tried)}")
+
+
+def hot_problem(hot: Tier, run_id: str, step: int) -> str | None:
+    """Why the hot copy of ``step`` cannot be resumed from, or None."""
+    try:
+        if not hot.is_committed(run_id, step):
+            return "not on hot"
+        if hot.is_quarantined(run_id, step):
+            return "quarantined by the verify stage"
+    except OSError as e:
+        return f"{type(e).__name__}: {e}"
+    return local_problem(hot.url_for(run_id, step))
+
+
+def local_problem(folder: str) -> str | None:
+    """Why the checkpoint in ``folder`` does not verify (digests; the parse of an adopted one), or None."""
+    try:
+        res = verify_checkpoint(folder)
+        if not res.ok:
+            return "; ".join(str(p) for p in res.problems)
+        m = read_manifest(folder)
+    except Exception as e:  # noqa: BLE001 - any failure to read it is a reason to try another copy
+        return f"{type(e).__name__}: {e}"
+    if is_adopted(m):
+        parsed = parse_check(folder, m)
+        if not parsed["ok"]:
+            return "; ".join(parsed["problems"])
+    return None

@@ -1,0 +1,352 @@
+"""PyTorch Lightning with ckptflow: saves committed asynchronously as ckptflow checkpoints, and a
+resume that verifies before it loads.
+
+    import lightning as L
+    from ckptflow.integrations.lightning import CkptflowCheckpointIO, RNGState
+
+    trainer = L.Trainer(plugins=[CkptflowCheckpointIO(run_id="lit")], callbacks=[RNGState(),
+                        L.pytorch.callbacks.ModelCheckpoint(every_n_train_steps=100, save_last=True)])
+    trainer.fit(model, ckpt_path="last")
+
+Lightning's ``ModelCheckpoint`` keeps deciding when and under which names. Each save is copied on the
+training thread into buffers reused from one save to the next (no allocation, so no page faults:
+the stall), then written in the background as ``<hot root>/<run>/step_<N>/checkpoint.ckpt`` (a
+plain ``torch.save`` file), made durable, digested into a manifest, committed by the rename and
+announced with the ``ckptflow.checkpoint.committed`` event: the deployed lifecycle takes it from
+there. Only then does the name Lightning asked for appear, as a hard link to the committed file
+(a copy across file systems), so ``last.ckpt`` always names a whole, committed checkpoint and a
+crash mid-save leaves Lightning's previous one in place. ``save_last=True`` costs nothing more:
+the second save at a step becomes one more link. Removing a name (``save_top_k``) removes only
+Lightning's link; the committed copy is ckptflow's, kept by the config's retention.
+
+``fit(ckpt_path="last")`` (or any path this plugin wrote) loads the committed step that path names
+once every byte matches its digest and the file parses without running a pickle; a damaged or
+missing one is passed over for the newest step before it that verifies — on hot in place, else
+fetched from warm or cold. A path ckptflow did not write is loaded as Lightning would.
+
+What Lightning restores is not all of a run's state: it saves no random number generator state, so
+a run with dropout or random augmentation draws other numbers after a resume. :class:`RNGState`
+(a callback) saves every rank's generators (torch, CUDA, NumPy, Python) and restores each rank's
+own, at the same world size. A data loader resumes mid-epoch only if it is stateful (torchdata's
+``StatefulDataLoader``); Lightning saves and restores it then.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import random
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, cast
+
+import torch
+
+from ckptflow.integrations._resolve import newest_verified, run_tiers
+from ckptflow.tasks.adopt import TORCH_SAVE, commit_written, step_from_name
+from ckptflow.tasks.config import load_config
+from ckptflow.trainer.format import layout
+
+try:
+    from lightning.fabric.plugins import CheckpointIO as _IO
+    from lightning.pytorch.callbacks import Callback as _Callback
+except ImportError:  # pragma: no cover - exercised only without the extra
+    _IO = _Callback = object  # type: ignore[assignment,misc]
+
+__all__ = ["FILE", "CkptflowCheckpointIO", "RNGState"]
+
+FILE = "checkpoint.ckpt"
+"""The ``torch.save`` file in each committed step folder."""
+
+log = logging.getLogger(__name__)
+
+
+def _need_lightning() -> None:
+    if _IO is object:
+        raise ImportError("ckptflow.integrations.lightning needs Lightning: pip install 'ckptflow[lightning]'")
+
+
+class _Snapshot:
+    """A copy of a checkpoint's tensors into CPU buffers kept from one save to the next, found by
+    their place in the checkpoint; a tensor whose shape or dtype changed gets a new buffer."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple, torch.Tensor] = {}
+
+    def take(self, obj: Any, at: tuple = ()) -> Any:
+        if isinstance(obj, torch.Tensor):
+            buf = self._bufs.get(at)
+            src = obj.detach()
+            if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+                buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
+                self._bufs[at] = buf
+            buf.copy_(src, non_blocking=src.is_cuda)
+            return buf
+        if isinstance(obj, dict):
+            out = copy.copy(obj)  # its own type (an OrderedDict state dict stays one)
+            for k, v in obj.items():
+                out[k] = self.take(v, (*at, k))
+            return out
+        if isinstance(obj, list):
+            return [self.take(v, (*at, i)) for i, v in enumerate(obj)]
+        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+            return tuple(self.take(v, (*at, i)) for i, v in enumerate(obj))
+        return obj  # numbers, strings, hyper-parameters: Lightning builds them afresh for each save
+
+
+class CkptflowCheckpointIO(_IO):
+    """Lightning's checkpoint I/O through ckptflow (see the module's doc).
+
+    ``config``: the ckptflow config file (default: ``$CKPTFLOW_CONFIG`` or ``./ckptflow.toml``);
+    its ``[hot] url`` is where checkpoints are committed unless ``root`` is given, and its tiers
+    are where a resume looks. The event goes to ``$PREFECT_API_URL`` when set (the outbox line is
+    written either way)."""
+
+    def __init__(self, run_id: str, *, config: str | None = None, root: str | None = None) -> None:
+        _need_lightning()
+        self.run_id = layout.check_run_id(run_id)
+        self.config = config
+        self.root = os.path.abspath(root if root is not None else load_config(config).hot.url)
+        self._snapshot = _Snapshot()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: Future | None = None
+        self._error: BaseException | None = None
+        self._saved_step: int | None = None
+        self._lock = threading.Lock()
+        self.stalls_s: list[float] = []
+        """The time each save held the training thread (waiting for the previous one, then the copy)."""
+
+    # ---- save --------------------------------------------------------------------------------
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        import time
+
+        t0 = time.perf_counter()
+        path = os.path.abspath(os.fspath(path))
+        step = int(checkpoint["global_step"])
+        if step == self._saved_step:  # save_last after the top-k save: the same state, one more name
+            self._submit(self._link, step, path)
+        else:
+            self._wait()  # the buffers are the previous save's until its write has finished
+            snap = self._snapshot.take(checkpoint)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # the copies from the device have landed
+            self._saved_step = step
+            self._submit(self._write, step, snap, path)
+        self.stalls_s.append(time.perf_counter() - t0)
+
+    def _write(self, step: int, snap: dict[str, Any], path: str) -> None:
+        def write(tmp: str) -> None:
+            torch.save(snap, os.path.join(tmp, FILE))
+
+        commit_written(
+            run_id=self.run_id,
+            root=self.root,
+            step=step,
+            write=write,
+            adopted={"source": path, "format": TORCH_SAVE, "tool": "lightning"},
+            world_size=1,
+            api_url=os.environ.get("PREFECT_API_URL"),
+            already=self._kept,
+        )
+        self._link(step, path)
+
+    def _kept(self, final: str, run_path: str) -> dict[str, Any]:
+        # Committed before (a run resumed from an earlier step saves it again): a committed
+        # checkpoint never changes, and this one is the same training state.
+        log.warning("%s is committed already; keeping it", final)
+        return {"uri": final, "already": True}
+
+    def _link(self, step: int, path: str) -> None:
+        src = os.path.join(self.root, self.run_id, layout.step_name(step), FILE)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.ckptflow.tmp"
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        try:
+            os.link(src, tmp)
+        except OSError:  # another file system: a copy
+            import shutil
+
+            shutil.copyfile(src, tmp)
+        os.replace(tmp, path)  # the name appears whole, after the commit
+
+    # ---- load / remove -----------------------------------------------------------------------
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+        self._wait()
+        path = os.path.abspath(os.fspath(path))
+        step = self._step_of(path)
+        if step is None:
+            log.warning("%s was not written by ckptflow for run %s: loaded as Lightning would", path, self.run_id)
+            return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        folder = newest_verified(
+            run_tiers(self.config, self.root),
+            self.run_id,
+            at_most=step,
+            fetch_to=lambda s: os.path.join(os.path.dirname(path), f"ckptflow-restored-step-{s}"),
+        )
+        if folder is None:
+            raise FileNotFoundError(f"{path}: run {self.run_id} has no committed step <= {step} on any tier")
+        if not folder.endswith(layout.step_name(step)):
+            log.warning("%s (step %d) does not verify; resuming from %s instead", path, step, folder)
+        return TorchCheckpointIO().load_checkpoint(
+            os.path.join(folder, FILE), map_location=map_location, weights_only=weights_only
+        )
+
+    def _step_of(self, path: str) -> int | None:
+        """The committed step ``path`` is a link to (same file), or the step in its name when the
+        run has it committed; None: not ours."""
+        from ckptflow.trainer.format.commit import committed_steps
+
+        run_path = os.path.join(self.root, self.run_id)
+        steps = committed_steps(run_path) if os.path.isdir(run_path) else []
+        try:
+            st = os.stat(path)
+        except OSError:
+            st = None
+        for s in steps:
+            try:
+                mine = os.stat(os.path.join(run_path, layout.step_name(s), FILE))
+            except OSError:
+                continue
+            if st is not None and (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
+                return s
+        named = step_from_name(path)
+        return named if named is not None and (named in steps or st is None) else None
+
+    def remove_checkpoint(self, path: Any) -> None:
+        self._submit(_remove, os.path.abspath(os.fspath(path)))
+
+    # ---- the background writer ---------------------------------------------------------------
+
+    def _submit(self, fn: Callable[..., None], *args: Any) -> None:
+        self._raise()
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptflow-lightning")
+            self._pending = self._pool.submit(self._guard, fn, *args)
+
+    def _guard(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            fn(*args)
+        except BaseException as e:  # raised on the training thread at the next call
+            self._error = e
+
+    def _wait(self) -> None:
+        if self._pending is not None:
+            self._pending.result()
+        self._raise()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise e
+
+    def teardown(self) -> None:
+        """Every save finished and committed (Lightning calls it when fitting ends)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        self._raise()
+
+
+def _remove(path: str) -> None:
+    if os.path.lexists(path):
+        os.remove(path)
+
+
+class RNGState(_Callback):
+    """Saves every rank's random number generators (torch, CUDA, NumPy, Python) in the checkpoint
+    and restores each rank's own on resume: what Lightning itself leaves out. At another world
+    size the generators are left as they are, with a warning.
+
+    Two states per rank: the one the epoch's data iterator was made from, and the one at the save.
+    A shuffling sampler draws the epoch's order from the global generator when its iterator is
+    made, and Lightning makes it again on a resume in the middle of an epoch: the first state is
+    set when the checkpoint loads (before that), the second before the first batch runs (dropout's
+    numbers). A checkpoint saved at an epoch's last batch sets the second at once: the next epoch
+    starts from it, as it did in the run that saved."""
+
+    def __init__(self) -> None:
+        _need_lightning()
+        self._trainer: Any = None
+        self._epoch = -1
+        self._epoch_start: dict[str, Any] | None = None
+        self._pending: dict[str, Any] | None = None
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._trainer = trainer
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        # The first epoch's iterator is made before any epoch hook, and nothing draws in between
+        # (a resume replaces this in load_state_dict, which runs after this hook).
+        self._epoch, self._epoch_start = trainer.current_epoch, _rng_state()
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.current_epoch != self._epoch:  # a later epoch: its iterator is made after this hook
+            self._epoch, self._epoch_start = trainer.current_epoch, _rng_state()
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self._pending is not None:
+            _set_rng_state(self._pending)
+            self._pending = None
+
+    def state_dict(self) -> dict[str, Any]:
+        import torch.distributed as dist
+
+        last = bool(self._trainer is not None and self._trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+        mine = {"epoch": self._epoch, "epoch_start": self._epoch_start, "now": _rng_state(), "epoch_done": last}
+        if dist.is_available() and dist.is_initialized():
+            every: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(every, mine)  # the trainer's group and timeout; every rank saves
+            return {"ranks": every}
+        return {"ranks": [mine]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        import torch.distributed as dist
+
+        ranks = state_dict["ranks"]
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        if len(ranks) != world:
+            log.warning("RNG state saved by %d ranks, resuming on %d: generators not restored", len(ranks), world)
+            return
+        mine = ranks[rank]
+        if mine["epoch_done"] or mine["epoch_start"] is None:
+            _set_rng_state(mine["now"])
+            self._epoch, self._epoch_start = mine["epoch"] + 1, mine["now"]
+        else:
+            _set_rng_state(mine["epoch_start"])
+            self._epoch, self._epoch_start = mine["epoch"], mine["epoch_start"]
+            self._pending = mine["now"]
+
+
+def _rng_state() -> dict[str, Any]:
+    """Every generator's state as tensors, numbers and tuples: a ``weights_only`` load reads it."""
+    import numpy as np
+
+    kind, keys, pos, has_gauss, gauss = cast(tuple, np.random.get_state(legacy=True))
+    version, state, py_gauss = random.getstate()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": (str(kind), torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)),
+        "python": (version, list(state), py_gauss),
+    }
+
+
+def _set_rng_state(s: dict[str, Any]) -> None:
+    import numpy as np
+
+    torch.set_rng_state(s["torch"])
+    if s["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+    kind, keys, pos, has_gauss, gauss = s["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    version, state, py_gauss = s["python"]
+    random.setstate((version, tuple(state), py_gauss))
