@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import tomllib
 import types
 import typing
@@ -187,8 +188,15 @@ class LifecycleConfig:
     node_part_timeout_s: float = 1800.0
     """Node-local hot roots: how long the lifecycle waits for every node's part before it takes the
     missing files over from replicas (a node whose worker is down delays only its own part)."""
+    adopted_check: str | None = None
+    """A checkpoint adopted from another tool records no probe to replay; its sanity step is the
+    pickle-free parse of every file, then this ``module:function`` when set: called as
+    ``function(ckpt_dir)`` in a fresh process (load the model with its framework, run a forward
+    pass), it fails the checkpoint by raising; a dict it returns is recorded with the result."""
 
     def __post_init__(self) -> None:
+        if self.adopted_check is not None and not re.fullmatch(r"[\w.]+:\w+", self.adopted_check):
+            raise _fail("lifecycle.adopted_check", self.adopted_check, "must be 'module:function'")
         if self.expectations is None:
             self.expectations = self.sanity_step
         elif self.expectations and not self.sanity_step:

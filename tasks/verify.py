@@ -81,6 +81,46 @@ def run_sanity(ckpt_dir: str, *, nproc: int = 1, timeout_s: float = 900, stats: 
         return res
 
 
+ADOPTED_CHECK = """
+import importlib, json, sys, traceback
+name, ckpt, out = sys.argv[1:4]
+try:
+    mod, fn = name.split(":")
+    got = getattr(importlib.import_module(mod), fn)(ckpt)
+    res = {"ok": True, "details": got if isinstance(got, dict) else None}
+except Exception as e:
+    why = f"{name}: {type(e).__name__}: {e}"[:2000]
+    res = {"ok": False, "problems": [why], "trace": traceback.format_exc()[-4000:]}
+with open(out, "w") as f:
+    json.dump(res, f, default=str)
+"""
+
+
+def run_adopted_check(name: str, ckpt_dir: str, *, timeout_s: float = 900) -> dict[str, Any]:
+    """The configured ``lifecycle.adopted_check`` on ``ckpt_dir``, in a fresh process: its result,
+    ``ok`` False with the error when the function raised, crashed or ran past ``timeout_s``."""
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="ckptflow-adopted-check-") as tmp:
+        out = os.path.join(tmp, "result.json")
+        r = None
+        try:
+            r = subprocess.run(
+                [sys.executable, "-c", ADOPTED_CHECK, name, ckpt_dir, out],
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+            )
+            with open(out) as f:
+                res = json.load(f)
+        except subprocess.TimeoutExpired:
+            res = {"ok": False, "problems": [f"{name} ran past {timeout_s:.0f} s on {ckpt_dir}"]}
+        except (OSError, json.JSONDecodeError):
+            why = f"rc={r.returncode}: {r.stderr[-1500:]}" if r is not None else "did not start"
+            res = {"ok": False, "problems": [f"{name} crashed ({why})"]}
+    res.update(check=name, seconds=time.perf_counter() - t0)
+    return res
+
+
 def _sanity_forked(args: list[str], timeout_s: float) -> tuple[int, str] | None:
     try:
         got = forkserver.call("sanity", {"argv": args}, timeout_s=timeout_s)
@@ -181,6 +221,11 @@ def verify(
     if sanity_step and integ.manifest is not None and is_adopted(integ.manifest):
         # Adopted from another tool: no probe was recorded to replay; every file must parse.
         out.sanity = parse_check(ckpt, integ.manifest)
+        check = ref.cfg.lifecycle.adopted_check
+        if out.sanity["ok"] and check:  # then the user's own check, in a fresh process
+            user = run_adopted_check(check, ckpt)
+            out.sanity.update(ok=user["ok"], user_check=user)
+            out.sanity["problems"] += user.get("problems", [])
         if not out.sanity["ok"]:
             out.reasons = [f"sanity: {w}" for w in out.sanity["problems"]]
             return _finish(out, t0)

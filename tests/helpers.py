@@ -105,7 +105,9 @@ def flip_byte(path: str, offset: int | None = None) -> None:
 # ---- configs -------------------------------------------------------------------------
 
 
-def write_config(tmp_path, hot, s3_endpoint, bucket, *, hot_keep=2, warm_keep=2, cold_keep=3, sanity=True) -> str:
+def write_config(
+    tmp_path, hot, s3_endpoint, bucket, *, hot_keep=2, warm_keep=2, cold_keep=3, sanity=True, lifecycle=""
+) -> str:
     cfg = tmp_path / "ckptflow.toml"
     cfg.write_text(f"""
 [hot]
@@ -126,6 +128,7 @@ storage_class = "STANDARD_IA"
 keep_last = {cold_keep}
 [lifecycle]
 sanity_step = {str(sanity).lower()}
+{lifecycle}
 """)
     return str(cfg)
 

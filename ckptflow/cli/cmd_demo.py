@@ -86,6 +86,13 @@ def demo(
         )
         + " (a checkpoint that is gone from hot was pruned there by retention; it lives on in warm and cold)"
     )
+    a = out.adopted
+    if a:
+        con.print(
+            f"adopted: {a['record']['uri']} (written by dcp.save, run '{a['run_id']}'), verified "
+            f"{'[green]yes[/]' if a['verified'] else '[red]no[/]'} by its {a['check']} check, "
+            f"on tiers {' '.join(a['tiers'])}"
+        )
     d = out.drill or {}
     for r in d.get("results", []):
         sec = r["seconds"]

@@ -35,6 +35,7 @@ from ckptflow.demo.runner import (
     DemoSettings,
     _checkpoint_rows,
     _wait_lifecycles,
+    lifecycle_names,
     lifecycle_problems,
 )
 from ckptflow.harness import NodeAgents, Supervisor
@@ -167,7 +168,8 @@ def run_node_demo(s: DemoSettings, nodes: int = 2, say: Callable[[str], None] = 
         commits = _commits(roots)
         steps = sorted({c["step"] for c in commits})
         say(f"waiting for the lifecycle of {len(steps)} checkpoints {steps} (each node's part on its own worker) ...")
-        out.lifecycle_states = _wait_lifecycles(steps, max(120.0, s.timeout_s - (time.monotonic() - t0)), say)
+        left = max(120.0, s.timeout_s - (time.monotonic() - t0))
+        out.lifecycle_states = _wait_lifecycles(set(lifecycle_names(RUN_ID, steps)), left, say)
         from ckptflow.trainer.format import layout
 
         out.checkpoints = _checkpoint_rows(general, layout.run_dir(os.path.join(wd, "warm"), RUN_ID), steps)
@@ -182,7 +184,9 @@ def run_node_demo(s: DemoSettings, nodes: int = 2, say: Callable[[str], None] = 
         except DrillFailed as e:
             out.drill = {"ok": False, "error": str(e)}
             out.problems.append(str(e))
-    out.problems += lifecycle_problems([c["step"] for c in out.checkpoints], out.lifecycle_states)
+    out.problems += lifecycle_problems(
+        lifecycle_names(RUN_ID, [c["step"] for c in out.checkpoints]), out.lifecycle_states
+    )
     out.seconds = time.monotonic() - t0
     out.ok = not out.problems
     with open(os.path.join(wd, "summary.json"), "w") as f:

@@ -5,8 +5,10 @@
 3. a 2-rank torchrun job trains with checkpoints; one worker is SIGKILLed mid-run and
    torchrun restarts it; the run resumes from the newest committed checkpoint;
 4. every commit's lifecycle runs (verify -> compress -> promote -> archive -> prune);
-5. a restore drill restores the newest cold checkpoint at another world size;
-6. the summary says what is where, how big, verified or not, and the recovery time.
+5. a checkpoint another tool wrote (a plain ``dcp.save`` folder) is adopted with
+   ``ckptflow adopt``, and its commit event starts the same deployed lifecycle;
+6. a restore drill restores the newest cold checkpoint at another world size;
+7. the summary says what is where, how big, verified or not, and the recovery time.
 Everything started is stopped on the way out, Ctrl-C included.
 """
 
@@ -31,7 +33,17 @@ if TYPE_CHECKING:
     from prefect.client.schemas.objects import StateType
 
 RUN_ID = "demo"
+OTHER_RUN = "other-tool"
+"""The run the adopted checkpoint joins: one written by plain ``dcp.save``, as another tool would."""
+OTHER_STEP = 100
 BUCKET = "ckptflow-demo"
+
+OTHER_TOOL = """
+import sys, torch, torch.distributed.checkpoint as dcp
+g = torch.Generator().manual_seed(0)
+state = {"model": {"w": torch.randn(512, 512, generator=g)}, "step": torch.tensor(100)}
+dcp.save(state, checkpoint_id=sys.argv[1], no_dist=True)
+"""
 
 
 @dataclass
@@ -52,6 +64,8 @@ class DemoOutcome:
     checkpoints: list[dict] = field(default_factory=list)
     lifecycle_states: dict[str, str] = field(default_factory=dict)
     drill: dict | None = None
+    adopted: dict | None = None
+    """The checkpoint another tool wrote: what ``ckptflow adopt`` committed and where its lifecycle took it."""
     replay_identical: tuple[int, int] = (0, 0)
     resumed: list[str] = field(default_factory=list)
     """The node demo: how each node resumed (from which step, what it fetched from which peer)."""
@@ -65,9 +79,7 @@ def _lifecycle_states() -> dict[str, str]:
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 
     with get_client(sync_client=True) as c:
-        runs = c.read_flow_runs(
-            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=f"lifecycle-{RUN_ID}-step")), limit=200
-        )
+        runs = c.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_="lifecycle-")), limit=200)
     # a deployment's flow runs are created Scheduled, so each one the server lists has a state
     return {r.name: cast("StateType", r.state_type).value for r in runs}
 
@@ -76,12 +88,11 @@ RECONCILE_AFTER_S = 45.0
 """How long the demo waits for a step's lifecycle run to appear before it asks reconcile for it."""
 
 
-def _wait_lifecycles(steps: list[int], timeout: float, say: Callable[[str], None]) -> dict[str, str]:
-    """The lifecycle runs' states once every step's has finished (or at ``timeout``). Events are
-    lossy — one emitted while the server was still loading its automations starts nothing — so a
-    step that has no run ``RECONCILE_AFTER_S`` in is left to reconcile, started once, as the
-    deployment's schedule would (the demo's schedule is an hour)."""
-    want = {f"lifecycle-{RUN_ID}-step{s}" for s in steps}
+def _wait_lifecycles(want: set[str], timeout: float, say: Callable[[str], None]) -> dict[str, str]:
+    """The lifecycle runs' states once every one named in ``want`` has finished (or at ``timeout``).
+    Events are lossy — one emitted while the server was still loading its automations starts
+    nothing — so a step that has no run ``RECONCILE_AFTER_S`` in is left to reconcile, started
+    once, as the deployment's schedule would (the demo's schedule is an hour)."""
     t0 = time.monotonic()
     deadline = t0 + timeout
     last = None
@@ -105,9 +116,12 @@ def _wait_lifecycles(steps: list[int], timeout: float, say: Callable[[str], None
     return _lifecycle_states()
 
 
-def lifecycle_problems(steps: list[int], states: dict[str, str]) -> list[str]:
-    """What is wrong with the lifecycles of ``steps``: runs that did not complete, steps with none."""
-    names = [f"lifecycle-{RUN_ID}-step{s}" for s in steps]
+def lifecycle_names(run_id: str, steps: list[int]) -> list[str]:
+    return [f"lifecycle-{run_id}-step{s}" for s in steps]
+
+
+def lifecycle_problems(names: list[str], states: dict[str, str]) -> list[str]:
+    """What is wrong with the lifecycles ``names``: runs that did not complete, steps with none."""
     out = []
     bad = [n for n, st in states.items() if st != "COMPLETED"]
     if bad:
@@ -118,7 +132,7 @@ def lifecycle_problems(steps: list[int], states: dict[str, str]) -> list[str]:
     return out
 
 
-def _checkpoint_rows(cfg_path: str, run_path: str, steps: list[int]) -> list[dict]:
+def _checkpoint_rows(cfg_path: str, run_path: str, steps: list[int], run_id: str = RUN_ID) -> list[dict]:
     from ckptflow.tasks.config import load_config
     from ckptflow.tasks.stages import RECORDS, VERIFY, stage_records
     from ckptflow.tasks.storage import Tier
@@ -129,16 +143,17 @@ def _checkpoint_rows(cfg_path: str, run_path: str, steps: list[int]) -> list[dic
     for s in steps:
         row: dict[str, Any] = {"step": s, "tiers": [], "raw": None, "stored": {}}
         for name, t in tiers.items():
-            if t.is_committed(RUN_ID, s):
+            if t.is_committed(run_id, s):
                 row["tiers"].append(name)
-                idx = t.read_index(RUN_ID, s) if name != "hot" else None
-                row["raw"] = row["raw"] or t.read_manifest(RUN_ID, s).total_bytes
+                idx = t.read_index(run_id, s) if name != "hot" else None
+                row["raw"] = row["raw"] or t.read_manifest(run_id, s).total_bytes
                 if idx is not None:
                     row["stored"][name] = idx.total_stored_bytes
         st = stage_records(run_path, s)
         v = st.get(VERIFY.record)
         row["verified"] = bool(v)
         row["probe"] = (v or {}).get("sanity", {}).get("probe_match")
+        row["check"] = (v or {}).get("sanity", {}).get("check", "probe")
         row["expectations"] = ((v or {}).get("expectations") or {}).get("success")
         row["quarantined"] = (st.get("quarantined") or {}).get("reasons")
         row["stages"] = [k for k in RECORDS if k in st]
@@ -216,9 +231,17 @@ def run_demo(s: DemoSettings, say: Callable[[str], None] = print) -> DemoOutcome
         from ckptflow.trainer.events import read_outbox
 
         steps = sorted({int(x["step"]) for x in read_outbox(run_path)})
-        say(f"waiting for the lifecycle of {len(steps)} checkpoints {steps} ...")
-        out.lifecycle_states = _wait_lifecycles(steps, max(60.0, s.timeout_s - (time.monotonic() - t0)), say)
+        adopted = _adopt_other_tool(wd, env, logs, say)
+        want = lifecycle_names(RUN_ID, steps) + lifecycle_names(OTHER_RUN, [OTHER_STEP] if adopted else [])
+        say(f"waiting for the lifecycle of {len(want)} checkpoints ...")
+        left = max(60.0, s.timeout_s - (time.monotonic() - t0))
+        out.lifecycle_states = _wait_lifecycles(set(want), left, say)
         out.checkpoints = _checkpoint_rows(out.config, run_path, steps)
+        if adopted:
+            other = os.path.join(wd, "hot", OTHER_RUN)
+            out.adopted = {**adopted, **_checkpoint_rows(out.config, other, [OTHER_STEP], OTHER_RUN)[0]}
+        else:
+            out.problems.append("the other tool's checkpoint was not adopted; log: logs/adopt.log")
         say("restore drill: newest cold checkpoint -> scratch -> sanity step at world size 1 ...")
         from ckptflow.flows.drill import DrillFailed, restore_drill
 
@@ -230,7 +253,8 @@ def run_demo(s: DemoSettings, say: Callable[[str], None] = print) -> DemoOutcome
         except DrillFailed as e:
             out.drill = {"ok": False, "error": str(e)}
             out.problems.append(str(e))
-    out.problems += lifecycle_problems([c["step"] for c in out.checkpoints], out.lifecycle_states)
+    names = lifecycle_names(RUN_ID, [c["step"] for c in out.checkpoints])
+    out.problems += lifecycle_problems(names + lifecycle_names(OTHER_RUN, [OTHER_STEP]), out.lifecycle_states)
     out.seconds = time.monotonic() - t0
     out.ok = not out.problems
     with open(os.path.join(wd, "summary.json"), "w") as f:
@@ -241,6 +265,7 @@ def run_demo(s: DemoSettings, say: Callable[[str], None] = print) -> DemoOutcome
                 "checkpoints": out.checkpoints,
                 "lifecycle_states": out.lifecycle_states,
                 "drill": out.drill,
+                "adopted": out.adopted,
                 "replay_identical": list(out.replay_identical),
                 "seconds": out.seconds,
                 "resumed_from": out.training.resumed_from if out.training else None,
@@ -251,6 +276,26 @@ def run_demo(s: DemoSettings, say: Callable[[str], None] = print) -> DemoOutcome
             default=str,
         )
     return out
+
+
+def _adopt_other_tool(wd: str, env: dict[str, str], logs: str, say: Callable[[str], None]) -> dict | None:
+    """A checkpoint another tool wrote (plain ``dcp.save``), adopted as a user would, in processes
+    of their own: ``ckptflow adopt`` commits it and posts the event the served lifecycle starts on.
+    The committed record, or None when a step failed (its output in ``logs/adopt.log``)."""
+    import subprocess
+
+    src = os.path.join(wd, OTHER_RUN, f"step-{OTHER_STEP}")
+    say(f"adopting a checkpoint another tool wrote (dcp.save): ckptflow adopt {src} --run-id {OTHER_RUN}")
+    with open(os.path.join(logs, "adopt.log"), "w") as log:
+        for cmd in (
+            [sys.executable, "-c", OTHER_TOOL, src],
+            [sys.executable, "-m", "ckptflow.cli.main", "adopt", src, "--run-id", OTHER_RUN, "--json"],
+        ):
+            r = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=log, text=True, timeout=300)
+            log.write(r.stdout)
+            if r.returncode != 0:
+                return None
+    return {"run_id": OTHER_RUN, "record": json.loads(r.stdout)}
 
 
 def step_label(step: int) -> str:

@@ -40,7 +40,8 @@ def test_demo_end_to_end(tmp_path):
     """``ckptflow demo`` as a user starts it: a Prefect server, ``ckptflow serve``, a 2-rank job
     whose commit events trigger the lifecycles; a worker SIGKILLed mid-run; every checkpoint
     verified (probe bitwise, expectations met), compressed onto warm and cold, hot pruned by
-    policy; the drill restores the newest at another world size."""
+    policy; a checkpoint another tool wrote is adopted into the same lifecycle; the drill restores
+    the newest at another world size."""
     wd = tmp_path / "demo"
     r = _demo(wd, "--steps", "40", "--save-every", "10", "--kill-at", "15")
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
@@ -59,5 +60,11 @@ def test_demo_end_to_end(tmp_path):
     assert s["drill"]["ok"] and os.path.getsize(s["drill"]["plot"]) > 10_000
     res = s["drill"]["results"][0]
     assert res["step"] == 40 and res["probe_match"] == "bitwise" and res["world_size"] != res["saved_world_size"]
-    assert "demo OK" in r.stdout and "bit-identical" in r.stdout
+    # A checkpoint another tool wrote, adopted by `ckptflow adopt`: its event started the same
+    # deployed lifecycle, which verified it by the parse check and took it to warm and cold.
+    a = s["adopted"]
+    assert a["record"]["adopted"] == "dcp" and a["verified"] and a["check"] == "parse", a
+    assert {"warm", "cold"} <= set(a["tiers"]), a
+    assert s["lifecycle_states"]["lifecycle-other-tool-step100"] == "COMPLETED"
+    assert "demo OK" in r.stdout and "bit-identical" in r.stdout and "adopted:" in r.stdout
     assert _procs_with_env(str(wd / "prefect")) == [], "the demo stopped every process it started"

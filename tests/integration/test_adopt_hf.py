@@ -71,7 +71,8 @@ def test_the_callback_adopts_each_checkpoint_and_a_lost_machine_resumes_from_col
     from ckptflow.trainer.format.manifest import read_manifest
 
     hot, out = tmp_path / "hot", tmp_path / "hf"
-    cfg = write_config(tmp_path, hot, s3_endpoint, s3_bucket)
+    check = "tests.loops.adopted_checks:hf_weights_finite"  # the user's own check, after the parse
+    cfg = write_config(tmp_path, hot, s3_endpoint, s3_bucket, lifecycle=f'adopted_check = "{check}"')
     env = {"RUN_ID": "hf", "CKPTFLOW_CONFIG": cfg, "PREFECT_API_URL": prefect_api}
     full = _train(out, 6, env=env)
     run = hot / "hf"
@@ -87,6 +88,8 @@ def test_the_callback_adopts_each_checkpoint_and_a_lost_machine_resumes_from_col
 
     done = lifecycle(run_id="hf", step=4, uri=str(step4), config=cfg)
     assert done["status"] == "done" and done["verify"]["sanity"]["check"] == "parse", done
+    user = done["verify"]["sanity"]["user_check"]
+    assert user["ok"] and user["check"] == check and user["details"]["tensors"] > 0, user
     assert 4 in cold_steps(s3_endpoint, s3_bucket, "hf")
 
     # The newest copy that verifies, in place on hot; a damaged one is passed over for the step before.
@@ -135,3 +138,8 @@ def test_a_trainer_checkpoint_still_being_written_or_damaged_is_caught(tmp_path)
     res = parse_check(str(final), read_manifest(str(final)))
     assert not res["ok"] and any("model.safetensors" in p for p in res["problems"]), res
     assert json.dumps(res)  # the verify record is JSON
+    # The user's check fails it too, naming itself and the error, from its own process.
+    from ckptflow.tasks.verify import run_adopted_check
+
+    user = run_adopted_check("tests.loops.adopted_checks:hf_weights_finite", str(final))
+    assert not user["ok"] and "hf_weights_finite" in user["problems"][0], user
