@@ -125,6 +125,9 @@ def child_env(extra: Mapping[str, str] | None = None, *, keep: tuple[str, ...] =
     (a fault, a Prefect API, a config file) leaking in unless ``keep`` names them."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
+    # MKL may run on fewer threads than it was given when the machine is busy (MKL_DYNAMIC), and a
+    # matmul split another way rounds another way: the children's losses are compared bit for bit.
+    env.setdefault("MKL_DYNAMIC", "FALSE")
     for k in _CHILD_DROP:
         if k not in keep:
             env.pop(k, None)

@@ -2,7 +2,8 @@
 a config, on CPU. ``CkptflowCallback`` adopts each ``checkpoint-N`` as the Trainer writes it, the
 lifecycle takes it to cold, and after the machine is lost (output folder, hot and warm gone)
 ``latest_verified`` fetches it back from cold and the Trainer resumes to the uninterrupted run's
-losses. ``ckptflow adopt`` catches a folder still being written, and the parse check a damaged one."""
+losses. ``ckptflow adopt`` catches a folder still being written, and the parse check and the user's
+own check a damaged one."""
 
 from __future__ import annotations
 
@@ -98,6 +99,8 @@ def test_the_callback_adopts_each_checkpoint_and_a_lost_machine_resumes_from_col
         f.write(b"\0" * 64)
     assert latest_verified(str(out), run_id="hf", config=cfg) == str(step4)
 
+    _partial_and_damaged_are_caught(out / "checkpoint-6", tmp_path)
+
     # The machine is lost: the Trainer's folder, hot and warm. Step 4 comes back from cold, and the
     # Trainer resumes from it to the uninterrupted run's losses (same data order, RNG, optimizer).
     for gone in (out, hot, tmp_path / "warm"):
@@ -115,31 +118,29 @@ def test_the_callback_adopts_each_checkpoint_and_a_lost_machine_resumes_from_col
     assert v.returncode == 0, v.stdout + v.stderr
 
 
-def test_a_trainer_checkpoint_still_being_written_or_damaged_is_caught(tmp_path):
+def _partial_and_damaged_are_caught(src, tmp_path) -> None:
+    """A copy of ``src`` still being written is refused; a damaged one is adopted (bytes are bytes)
+    and then fails the parse check and the user's own check."""
     from ckptflow.tasks.adopt import parse_check
+    from ckptflow.tasks.verify import run_adopted_check
     from ckptflow.trainer.format.manifest import read_manifest
 
-    _train(tmp_path / "hf", 2)
-    src = tmp_path / "hf" / "checkpoint-2"
-    partial = tmp_path / "partial" / "checkpoint-2"
+    partial = tmp_path / "partial" / "checkpoint-6"
     shutil.copytree(src, partial)
     os.remove(partial / "trainer_state.json")  # the Trainer writes it last
-    hot = tmp_path / "hot"
+    hot = tmp_path / "hot2"
     r = _adopt(str(partial), "--run-id", "hf", "--root", str(hot))
     assert r.returncode == 2 and "still being written" in r.stderr and str(partial) in r.stderr, r.stderr
     assert committed_steps(str(hot / "hf")) == []
 
-    damaged = tmp_path / "damaged" / "checkpoint-2"
+    damaged = tmp_path / "damaged" / "checkpoint-6"
     shutil.copytree(src, damaged)
     with open(damaged / "model.safetensors", "r+b") as f:
         f.truncate(os.path.getsize(damaged / "model.safetensors") - 10)
-    assert _adopt(str(damaged), "--run-id", "hf", "--root", str(hot)).returncode == 0  # bytes are bytes
-    final = hot / "hf" / layout.step_name(2)
+    assert _adopt(str(damaged), "--run-id", "hf", "--root", str(hot)).returncode == 0
+    final = hot / "hf" / layout.step_name(6)
     res = parse_check(str(final), read_manifest(str(final)))
     assert not res["ok"] and any("model.safetensors" in p for p in res["problems"]), res
     assert json.dumps(res)  # the verify record is JSON
-    # The user's check fails it too, naming itself and the error, from its own process.
-    from ckptflow.tasks.verify import run_adopted_check
-
     user = run_adopted_check("tests.loops.adopted_checks:hf_weights_finite", str(final))
     assert not user["ok"] and "hf_weights_finite" in user["problems"][0], user
