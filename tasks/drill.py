@@ -117,7 +117,8 @@ def drill_one(
         else:
             san = run_sanity(ckpt_dir, nproc=res.world_size, stats=False)
         res.seconds["sanity"] = time.perf_counter() - ts
-        res.seconds["load"] = float(san.get("seconds", {}).get("load", 0.0))
+        took = san.get("seconds")  # the parse check's is one figure, a restore's has its phases
+        res.seconds["load"] = float(took.get("load", 0.0) if isinstance(took, dict) else took or 0.0)
         res.probe_loss_recorded = san.get("probe_loss_recorded")
         res.probe_loss_restored = san.get("probe_loss_restored")
         res.probe_match = san.get("probe_match")

@@ -56,13 +56,29 @@ def s3_bucket(s3_endpoint):
 
 @pytest.fixture(scope="session")
 def prefect_api():
-    """A real Prefect API (test harness) for the whole session; yields its URL."""
+    """A real Prefect API (test harness) for the whole session; yields its URL.
+
+    Started again (on a new port) when its first health probe fails with anything but a refused
+    connection: Prefect's harness waits out only that one, and on a loaded machine the probe
+    also met a reset connection (a port another process of the suite had just taken), which
+    failed every test of the worker that drew it."""
+    import contextlib
+
+    import httpx
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=120):
-        from prefect.settings import PREFECT_API_URL
+    for attempt in range(3):
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(prefect_test_harness(server_startup_timeout=120))
+            except httpx.TransportError:
+                if attempt == 2:
+                    raise
+                continue
+            from prefect.settings import PREFECT_API_URL
 
-        yield PREFECT_API_URL.value()
+            yield PREFECT_API_URL.value()
+            return
 
 
 @pytest.fixture

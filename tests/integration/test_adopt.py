@@ -176,8 +176,11 @@ def test_torchtitan_s_checkpoints_are_adopted_as_written_taken_to_cold_and_drill
 def test_a_lightning_style_file_takes_its_step_from_its_name_and_parses_without_pickle(
     prefect_api, s3_endpoint, s3_bucket, tmp_path
 ):
+    from ckptflow.flows.drill import drill_tier
     from ckptflow.flows.lifecycle import lifecycle
     from ckptflow.tasks.adopt import parse_check
+    from ckptflow.tasks.config import load_config
+    from ckptflow.tasks.drill import drill_one
     from ckptflow.trainer.format.manifest import read_manifest
     from ckptflow.trainer.verify import verify_checkpoint
 
@@ -190,6 +193,10 @@ def test_a_lightning_style_file_takes_its_step_from_its_name_and_parses_without_
     assert verify_checkpoint(str(final)).ok
     assert parse_check(str(final), read_manifest(str(final)))["ok"]
     cfg = write_config(tmp_path, hot, s3_endpoint, s3_bucket, hot_keep=5)
+    out = lifecycle(run_id="lit", step=40, uri=str(final), config=cfg)
+    assert out["status"] == "done" and out["verify"]["sanity"]["check"] == "parse", out
+    drilled = drill_one(drill_tier(load_config(cfg)), "lit", 40)  # cold -> scratch -> parse
+    assert drilled.ok and drilled.tier == "cold", drilled
 
     bad = tmp_path / "step=50.ckpt"
     torch.save({"state_dict": _state(), "obj": NotOurs()}, bad)

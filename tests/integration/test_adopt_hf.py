@@ -65,9 +65,12 @@ def _adopt(*args: str) -> subprocess.CompletedProcess:
 def test_the_callback_adopts_each_checkpoint_and_a_lost_machine_resumes_from_cold_to_the_same_losses(
     prefect_api, s3_endpoint, s3_bucket, tmp_path
 ):
+    from ckptflow.flows.drill import drill_tier
     from ckptflow.flows.lifecycle import lifecycle
     from ckptflow.integrations.transformers import latest_verified
     from ckptflow.tasks.adopt import parse_check
+    from ckptflow.tasks.config import load_config
+    from ckptflow.tasks.drill import drill_one
     from ckptflow.trainer.events import read_outbox
     from ckptflow.trainer.format.manifest import read_manifest
 
@@ -91,6 +94,8 @@ def test_the_callback_adopts_each_checkpoint_and_a_lost_machine_resumes_from_col
     assert done["status"] == "done" and done["verify"]["sanity"]["check"] == "parse", done
     user = done["verify"]["sanity"]["user_check"]
     assert user["ok"] and user["check"] == check and user["details"]["tensors"] > 0, user
+    drilled = drill_one(drill_tier(load_config(cfg)), "hf", 4)  # the drill: cold -> scratch -> parse
+    assert drilled.ok and drilled.tier == "cold", drilled
     assert 4 in cold_steps(s3_endpoint, s3_bucket, "hf")
 
     # The newest copy that verifies, in place on hot; a damaged one is passed over for the step before.
