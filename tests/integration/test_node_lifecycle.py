@@ -238,6 +238,7 @@ def test_a_node_whose_worker_is_down_delays_only_its_part_and_reconcile_finishes
         assert warm.committed_steps(RUN) == [], "warm never holds an incomplete checkpoint"
         assert os.path.exists(warm.tmp_url(RUN, 4))  # the node that answered has its part staged
         w.start(down, cfgs[down])  # the worker is back
+        w.wait_polling()  # the part timeout times its part, not its start-up (seconds on a busy machine)
         from ckptflow.flows.reconcile import reconcile
 
         out = reconcile(config=general)
