@@ -27,6 +27,18 @@ def torchrun_env(extra: dict | None = None) -> dict:
     return child_env(extra)
 
 
+def adopt_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``ckptflow adopt ARGS`` as a user runs it, in a child's environment."""
+    return subprocess.run(
+        [PY, "-m", "ckptflow.cli.main", "adopt", *args],
+        cwd=REPO,
+        env=env or torchrun_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 def run_script(script: str, env: dict | None = None, *, timeout: float = 300) -> subprocess.CompletedProcess:
     """``python -c script`` from the repository, in a child's environment (``env`` on top): a real
     process of its own, so a script can build its process group and exit as a worker does."""

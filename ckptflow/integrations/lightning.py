@@ -115,15 +115,10 @@ class CkptflowCheckpointIO(_IO):
         self._error: BaseException | None = None
         self._saved_step: int | None = None
         self._lock = threading.Lock()
-        self.stalls_s: list[float] = []
-        """The time each save held the training thread (waiting for the previous one, then the copy)."""
 
     # ---- save --------------------------------------------------------------------------------
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
-        import time
-
-        t0 = time.perf_counter()
         path = os.path.abspath(os.fspath(path))
         step = int(checkpoint["global_step"])
         if step == self._saved_step:  # save_last after the top-k save: the same state, one more name
@@ -135,7 +130,6 @@ class CkptflowCheckpointIO(_IO):
                 torch.cuda.synchronize()  # the copies from the device have landed
             self._saved_step = step
             self._submit(self._write, step, snap, path)
-        self.stalls_s.append(time.perf_counter() - t0)
 
     def _write(self, step: int, snap: dict[str, Any], path: str) -> None:
         def write(tmp: str) -> None:

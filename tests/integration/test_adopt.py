@@ -18,7 +18,7 @@ import torch
 from ckptflow.trainer.events import COMMITTED, read_outbox, resource_id
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.format.commit import committed_steps
-from tests.helpers import PY, REPO, cold_steps, torchrun_env, write_config
+from tests.helpers import PY, REPO, adopt_cli, cold_steps, torchrun_env, write_config
 
 
 class NotOurs:
@@ -58,17 +58,6 @@ def _server_event(api: str, resource: str) -> dict:
             return found[0]
         time.sleep(0.2)
     raise AssertionError(f"no event about {resource} on {api}")
-
-
-def _adopt(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [PY, "-m", "ckptflow.cli.main", "adopt", *args],
-        cwd=REPO,
-        env=env or torchrun_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 TITAN = """
@@ -187,7 +176,7 @@ def test_a_lightning_style_file_takes_its_step_from_its_name_and_parses_without_
     f = tmp_path / "epoch=1-step=40.ckpt"
     torch.save({"state_dict": _state(), "epoch": 1, "global_step": 40}, f)
     hot = tmp_path / "hot"
-    r = _adopt(str(f), "--run-id", "lit", "--root", str(hot))
+    r = adopt_cli(str(f), "--run-id", "lit", "--root", str(hot))
     assert r.returncode == 0, r.stderr
     final = hot / "lit" / layout.step_name(40)
     assert verify_checkpoint(str(final)).ok
@@ -200,7 +189,7 @@ def test_a_lightning_style_file_takes_its_step_from_its_name_and_parses_without_
 
     bad = tmp_path / "step=50.ckpt"
     torch.save({"state_dict": _state(), "obj": NotOurs()}, bad)
-    assert _adopt(str(bad), "--run-id", "lit", "--root", str(hot)).returncode == 0  # bytes are bytes
+    assert adopt_cli(str(bad), "--run-id", "lit", "--root", str(hot)).returncode == 0  # bytes are bytes
     final = hot / "lit" / layout.step_name(50)
     res = parse_check(str(final), read_manifest(str(final)))
     assert not res["ok"] and "restricted loader refuses" in res["problems"][0], res
@@ -222,7 +211,7 @@ def test_an_unfinished_checkpoint_is_refused_naming_it_and_nothing_is_committed(
             with open(os.path.join(src, data), "r+b") as f:
                 f.truncate(100)
     hot = tmp_path / "hot"
-    r = _adopt(str(src), "--run-id", "x", "--root", str(hot))
+    r = adopt_cli(str(src), "--run-id", "x", "--root", str(hot))
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert str(src) in r.stderr and ("being written" in r.stderr or "not a DCP" in r.stderr), r.stderr
     assert len(r.stderr.strip().splitlines()) == 1  # one line, no traceback
@@ -232,12 +221,14 @@ def test_an_unfinished_checkpoint_is_refused_naming_it_and_nothing_is_committed(
 def test_a_crash_mid_adoption_leaves_nothing_trusted_and_a_rerun_finishes(tmp_path):
     src = _dcp_folder(tmp_path / "titan")
     hot = tmp_path / "hot"
-    r = _adopt(src, "--run-id", "titan", "--root", str(hot), env=dict(torchrun_env(), CKPTFLOW_FAULT="adopt.copy@30"))
+    r = adopt_cli(
+        src, "--run-id", "titan", "--root", str(hot), env=dict(torchrun_env(), CKPTFLOW_FAULT="adopt.copy@30")
+    )
     assert r.returncode == -9, r.stderr
     run = hot / "titan"
     assert committed_steps(str(run)) == [] and read_outbox(str(run)) == []
     assert os.path.isdir(run / layout.tmp_name(30))  # what was copied, in a folder no reader trusts
-    r = _adopt(src, "--run-id", "titan", "--root", str(hot))
+    r = adopt_cli(src, "--run-id", "titan", "--root", str(hot))
     assert r.returncode == 0, r.stderr
     assert committed_steps(str(run)) == [30] and [x["step"] for x in read_outbox(str(run))] == [30]
     assert not os.path.exists(run / layout.tmp_name(30))
@@ -246,12 +237,12 @@ def test_a_crash_mid_adoption_leaves_nothing_trusted_and_a_rerun_finishes(tmp_pa
 def test_other_files_for_a_committed_step_are_refused(tmp_path):
     src = _dcp_folder(tmp_path / "a")
     hot = tmp_path / "hot"
-    assert _adopt(src, "--run-id", "t", "--root", str(hot)).returncode == 0
+    assert adopt_cli(src, "--run-id", "t", "--root", str(hot)).returncode == 0
     other = tmp_path / "b" / "step-30"
     import torch.distributed.checkpoint as dcp
 
     dcp.save({"model.w": torch.ones(3)}, checkpoint_id=str(other), no_dist=True)
-    r = _adopt(str(other), "--run-id", "t", "--root", str(hot))
+    r = adopt_cli(str(other), "--run-id", "t", "--root", str(hot))
     assert r.returncode == 2 and "already committed" in r.stderr, r.stderr
 
 
@@ -326,7 +317,7 @@ def test_two_adoptions_of_one_step_at_once_commit_it_once(tmp_path):
 def test_a_ckptflow_checkpoint_is_not_adopted_again(tmp_path):
     src = _dcp_folder(tmp_path / "titan")
     hot = tmp_path / "hot"
-    assert _adopt(src, "--run-id", "t", "--root", str(hot)).returncode == 0
-    r = _adopt(str(hot / "t" / layout.step_name(30)), "--run-id", "u", "--root", str(hot))
+    assert adopt_cli(src, "--run-id", "t", "--root", str(hot)).returncode == 0
+    r = adopt_cli(str(hot / "t" / layout.step_name(30)), "--run-id", "u", "--root", str(hot))
     assert r.returncode == 2 and "ckptflow checkpoint already" in r.stderr, r.stderr
     assert committed_steps(str(hot / "u")) == []

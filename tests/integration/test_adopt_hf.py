@@ -14,7 +14,7 @@ import subprocess
 
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.format.commit import committed_steps
-from tests.helpers import PY, REPO, cold_steps, run_script, script_result, torchrun_env, write_config
+from tests.helpers import PY, REPO, adopt_cli, cold_steps, run_script, script_result, write_config
 
 TRAIN = """
 import json, os, torch
@@ -49,17 +49,6 @@ def _train(out, steps: int, resume: str = "", env: dict | None = None) -> dict:
     r = run_script(TRAIN, {"OUT": str(out), "MAX_STEPS": str(steps), "RESUME": resume, **(env or {})}, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return script_result(r.stdout)
-
-
-def _adopt(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [PY, "-m", "ckptflow.cli.main", "adopt", *args],
-        cwd=REPO,
-        env=torchrun_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 def test_the_callback_adopts_each_checkpoint_and_a_lost_machine_resumes_from_cold_to_the_same_losses(
@@ -134,7 +123,7 @@ def _partial_and_damaged_are_caught(src, tmp_path) -> None:
     shutil.copytree(src, partial)
     os.remove(partial / "trainer_state.json")  # the Trainer writes it last
     hot = tmp_path / "hot2"
-    r = _adopt(str(partial), "--run-id", "hf", "--root", str(hot))
+    r = adopt_cli(str(partial), "--run-id", "hf", "--root", str(hot))
     assert r.returncode == 2 and "still being written" in r.stderr and str(partial) in r.stderr, r.stderr
     assert committed_steps(str(hot / "hf")) == []
 
@@ -142,7 +131,7 @@ def _partial_and_damaged_are_caught(src, tmp_path) -> None:
     shutil.copytree(src, damaged)
     with open(damaged / "model.safetensors", "r+b") as f:
         f.truncate(os.path.getsize(damaged / "model.safetensors") - 10)
-    assert _adopt(str(damaged), "--run-id", "hf", "--root", str(hot)).returncode == 0
+    assert adopt_cli(str(damaged), "--run-id", "hf", "--root", str(hot)).returncode == 0
     final = hot / "hf" / layout.step_name(6)
     res = parse_check(str(final), read_manifest(str(final)))
     assert not res["ok"] and any("model.safetensors" in p for p in res["problems"]), res
