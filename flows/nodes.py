@@ -10,7 +10,8 @@ warm, cold and the API) fans the per-node part out:
 1. **promote, per node**: :func:`node_part` (``action="stage"``) on every node stages the files
    that node wrote into warm's staging dir (``tasks/transfer/_parts.py``). The lifecycle waits
    for every part (``[lifecycle] node_part_timeout_s``); a node whose worker is down delays only
-   its own part. Files still missing after that are taken over by nodes that hold them as
+   its own part, and one whose queue no worker polled lately (a node gone or replaced) is not
+   waited for. Files still missing after that are taken over by nodes that hold them as
    replicas; if none does, the lifecycle fails and says which files and nodes, and warm holds
    nothing committed (a later run, or reconcile, retries: staged parts are kept).
 2. **commit on warm** once every file is staged and checks out (the rename).
@@ -139,6 +140,17 @@ def scan_node(cfg: Any, node: str) -> dict[str, Any]:
     return out
 
 
+def node_pool() -> str:
+    """The work pool the node-part deployment runs in (``ckptflow deploy --pool``)."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as c:
+        try:
+            return c.read_deployment_by_name(NODE_PART).work_pool_name or "ckptflow-pool"
+        except Exception:  # not deployed: no node workers to ask either
+            return "ckptflow-pool"
+
+
 def _polled_ago(pool: str) -> dict[str, float | None]:
     """Every node with a queue in the pool (``node-<id>``) -> seconds since a worker polled it
     (None: never)."""
@@ -176,7 +188,7 @@ NO_WORKER = "NO_WORKER"
 
 def scan_all(
     timeout_s: float = 300.0,
-    pool: str = "ckptflow-pool",
+    pool: str | None = None,
     polled_within_s: float | None = 90.0,
     unclaimed_s: float = 30.0,
 ) -> dict[str, str]:
@@ -186,10 +198,10 @@ def scan_all(
     for ``timeout_s`` (seen: +270 s per pass). So only queues a worker polled in the last
     ``polled_within_s`` get a scan (the others report ``NO_WORKER``), and a scan no worker
     claims within ``unclaimed_s`` is given up (``UNCLAIMED``). Those nodes' steps are still
-    finished by the per-step pass (the part timeout, then the peers' replicas)."""
+    finished by the per-step pass (their parts are taken over from the peers' replicas)."""
     from prefect.deployments import run_deployment
 
-    ago = _polled_ago(pool)  # one read of the queues for both lists
+    ago = _polled_ago(pool or node_pool())  # one read of the queues for both lists
     live = sorted(n for n, a in ago.items() if _fresh(a, polled_within_s))
     runs = {
         n: run_deployment(
@@ -242,19 +254,38 @@ def prune_node(ref: CheckpointRef) -> dict[str, Any]:
 
 
 def fan_out(
-    action: str, ref: CheckpointRef, nodes: list[str], *, timeout_s: float, take: dict[str, list[str]] | None = None
+    action: str,
+    ref: CheckpointRef,
+    nodes: list[str],
+    *,
+    timeout_s: float,
+    take: dict[str, list[str]] | None = None,
+    polled_within_s: float | None = 90.0,
 ) -> dict[str, str]:
     """Run ``node_part(action)`` on each node's queue and wait (at most ``timeout_s``) for all;
-    returns node -> final state type (``SCHEDULED``/``PENDING``/``RUNNING`` when it timed out)."""
+    returns node -> final state type (``SCHEDULED``/``PENDING``/``RUNNING`` when it timed out).
+
+    A node whose queue a worker polled once but not in the last ``polled_within_s`` (workers
+    poll every ~10 s) is gone or replaced: it gets no run and reports ``NO_WORKER`` at once, so its files
+    are taken over from replicas now instead of after the whole part timeout (30 min by
+    default)."""
     from prefect.deployments import run_deployment
 
+    ago = _polled_ago(node_pool()) if polled_within_s is not None else {}
+    # Only a queue polled once and then not for a while: a queue never polled may be a worker
+    # still starting, which the part timeout waits for as it always did.
+    gone = [n for n in nodes if polled_within_s is not None and (ago.get(n) or 0.0) > polled_within_s]
     runs: dict[str, Any] = {}
     for node in nodes:
+        if node in gone:
+            continue
         params = {"run_id": ref.run_id, "step": ref.step, "node": node, "action": action}
         if take and take.get(node):
             params["take"] = take[node]
         runs[node] = run_deployment(NODE_PART, parameters=params, work_queue_name=queue_for(node), timeout=0)
-    return _wait(runs, timeout_s)
+    states = _wait(runs, timeout_s) if runs else {}
+    states.update(dict.fromkeys(gone, NO_WORKER))
+    return states
 
 
 def node_promote(ref: CheckpointRef, nodes: list[str]) -> dict[str, Any]:
@@ -269,6 +300,12 @@ def node_promote(ref: CheckpointRef, nodes: list[str]) -> dict[str, Any]:
         states = fan_out("stage", ref, nodes, timeout_s=timeout)
         st = parts_status(warm, ref.run_id, ref.step)
         late = [n for n, s in states.items() if s != "COMPLETED"]
+        if st.manifest is None:
+            raise IncompleteError(
+                f"{ref.name}: no node staged its part within {timeout:.0f} s (part states {states}); "
+                "nothing was committed on warm — the next lifecycle run (or reconcile) retries once "
+                "those nodes' workers answer"
+            )
         if st.missing:
             log.warning(
                 "%s: parts of nodes %s not in after %.0f s (%s); taking over %d file(s) from replicas",

@@ -297,7 +297,9 @@ def test_a_replaced_node_s_steps_finish_from_replicas(deployed, tmp_path, s3_end
         nodes.start()
         assert nodes.wait(240) == [0, 0]
     (c4,) = [x for x in first if x["step"] == 4]
-    cfgs, general = _setup(tmp_path, s3_endpoint, s3_bucket, roots, part_timeout=15)
+    # the old node's queue was never polled, so the part timeout decides it is gone; node 0's
+    # part must come in within it on a loaded machine (a CI run saw more than 15 s)
+    cfgs, general = _setup(tmp_path, s3_endpoint, s3_bucket, roots, part_timeout=40)
     assert set(c4["nodes"]) - set(cfgs), "node 1 came back with a new id"
     w = Workers(deployed, tmp_path)
     done = {}
@@ -319,7 +321,7 @@ def test_a_replaced_node_s_steps_finish_from_replicas(deployed, tmp_path, s3_end
 def test_reconcile_does_not_wait_on_the_queue_of_a_node_that_is_gone(deployed):
     """A stopped or replaced node leaves its queue: a scan there held every reconcile for the
     scan timeout (300 s; a CI run showed +270 s). A queue nobody polled is skipped, and a
-    scan no worker claims is given up and cancelled."""
+    scan no worker claims is given up and cancelled; a checkpoint's part is not sent there."""
     from prefect.client.orchestration import get_client
 
     from ckptflow.flows.nodes import NO_WORKER, UNCLAIMED, scan_all
@@ -339,3 +341,17 @@ def test_reconcile_does_not_wait_on_the_queue_of_a_node_that_is_gone(deployed):
         runs = c.read_flow_runs(limit=200)
     ghost = [r for r in runs if r.parameters.get("node") == "ghost" and r.parameters.get("action") == "scan"]
     assert ghost and all(r.state_type.value == "CANCELLED" for r in ghost), [r.state_type for r in ghost]
+    # a promote or prune fan-out sends nothing to a queue whose worker stopped polling it
+    from types import SimpleNamespace
+
+    from ckptflow.flows.nodes import fan_out
+
+    with get_client(sync_client=True) as c:
+        c.get_scheduled_flow_runs_for_work_pool(POOL, work_queue_names=["node-ghost"])  # as a worker polls
+    time.sleep(2.0)
+    t0 = time.monotonic()
+    ref = SimpleNamespace(run_id="ghost-run", step=1)
+    assert fan_out("prune", ref, ["ghost"], timeout_s=300, polled_within_s=1.0) == {"ghost": NO_WORKER}  # type: ignore[arg-type]
+    assert time.monotonic() - t0 < 20
+    with get_client(sync_client=True) as c:
+        assert not [r for r in c.read_flow_runs(limit=200) if r.parameters.get("run_id") == "ghost-run"]
