@@ -1,6 +1,6 @@
 """``lifecycle(run_id, step, uri)``: what happens to every committed checkpoint.
 
-    verify -> compress -> promote (warm) -> archive (cold, S3) -> prune (every tier)
+    verify -> compress -> promote (warm) -> export (warm, if configured) -> archive (cold, S3) -> prune (every tier)
 
 Triggered by ``ckptflow.checkpoint.committed`` (see ``deployments/prefect.yaml``) or by
 the reconcile flow for commits whose event was lost. The stages are the table of
@@ -131,7 +131,7 @@ def _stages(ref: CheckpointRef, table: tuple[Stage, ...] = STAGES) -> dict[str, 
             out["status"] = "quarantined"
             _artifact(ref, rows, "quarantined")
             return out
-        if stage.event is not None:
+        if stage.event is not None and rec.body.get("exported", True):  # no event for an export not made
             emit(stage.event, ref.run_id, ref.step, _payload(stage, rec, ref))
     out["status"] = "done"
     out["seconds"] = time.perf_counter() - t0
@@ -142,6 +142,10 @@ def _stages(ref: CheckpointRef, table: tuple[Stage, ...] = STAGES) -> dict[str, 
 def _payload(stage: Stage, rec: StageRecord, ref: CheckpointRef) -> dict[str, Any]:
     if "tiers" in rec.body:  # prune: what went, per tier
         return {"deleted": {t: r["deleted"] for t, r in rec.body["tiers"].items()}}
+    if "index" in rec.body:  # export: where an evaluation job finds the model
+        b = rec.body
+        keys = ("location", "index", "cold", "dtype", "tensors", "bytes", "shards")
+        return {"run_id": ref.run_id, "step": ref.step, **{k: b[k] for k in keys if k in b}}
     return {
         "uri": rec.body.get("uri", ref.uri),
         "tier": stage.tier or ref.records_tier,

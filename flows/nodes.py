@@ -17,8 +17,9 @@ warm, cold and the API) fans the per-node part out:
 2. **commit on warm** once every file is staged and checks out (the rename).
 3. **verify, once, on the complete warm copy**: fetched into scratch (every byte checked
    against the index and manifest), then the sanity step and the expectations.
-4. **archive** from warm (as for any checkpoint).
-5. **prune**: warm and cold by their policies; every node's hot by hot's policy, on that node
+4. **export** (``[export]``, off by default): the model as safetensors beside it on warm.
+5. **archive** from warm (as for any checkpoint).
+6. **prune**: warm and cold by their policies; every node's hot by hot's policy, on that node
    (``action="prune"``), never its copy of the newest globally committed step.
 """
 
@@ -34,7 +35,7 @@ from prefect import flow, get_run_logger
 from ckptflow.flows.secrets import export_manifest_key
 from ckptflow.tasks.checkpoint import CheckpointRef
 from ckptflow.tasks.config import load_config
-from ckptflow.tasks.stages import ARCHIVE, Done, Stage, fault_hook
+from ckptflow.tasks.stages import ARCHIVE, EXPORT, Done, Stage, fault_hook
 from ckptflow.tasks.storage import Tier
 from ckptflow.trainer import events
 from ckptflow.trainer.errors import ConfigError
@@ -398,7 +399,7 @@ def _prune(ref: CheckpointRef) -> Done:
 NODE_PROMOTE = Stage("promote", "promoted", "P", events.PROMOTED, "warm", _promote)
 NODE_VERIFY = Stage("verify", "verified", "V", events.VERIFIED, None, _verify_warm, (5.0,))
 NODE_PRUNE = Stage("prune", "pruned", "R", events.PRUNED, None, _prune, (5.0,))
-NODE_STAGES: tuple[Stage, ...] = (NODE_PROMOTE, NODE_VERIFY, ARCHIVE, NODE_PRUNE)
+NODE_STAGES: tuple[Stage, ...] = (NODE_PROMOTE, NODE_VERIFY, EXPORT, ARCHIVE, NODE_PRUNE)
 """The lifecycle of a checkpoint saved on node-local roots: promote (per node, joined on warm)
 comes first, because no single hot root holds the whole checkpoint to verify; the sanity step
 and the expectations then run once, on the complete warm copy. Record names are the usual ones."""

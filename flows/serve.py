@@ -61,7 +61,7 @@ DEPLOYMENTS = (
     Deployment(
         "lifecycle",
         "ckptflow.flows.lifecycle:lifecycle",
-        "verify -> compress -> promote -> archive -> prune, per committed checkpoint",
+        "verify -> compress -> promote -> export -> archive -> prune, per committed checkpoint",
         concurrency_limit=16,  # the fleet's cap; each machine limits its sanity steps and uploads (flows/limits.py)
         trigger={
             "expect": [COMMITTED],

@@ -211,6 +211,45 @@ class LifecycleConfig:
             raise _fail("lifecycle.max_norm_change", self.max_norm_change, "must be > 0")
 
 
+EXPORT_WHEN = ("off", "every", "every_k", "kept")
+EXPORT_DTYPES = ("as_saved", "bf16", "fp16")
+
+
+@dataclass(kw_only=True, slots=True)
+class ExportConfig:
+    """The export stage: a verified checkpoint's model weights as Hugging Face-style sharded
+    safetensors on warm (and cold), for evaluation and inference (``tasks/export.py``)."""
+
+    when: str = "off"
+    """Which verified checkpoints: ``off``, ``every`` one, ``every_k`` (steps that are multiples
+    of ``every_k``), or ``kept`` (steps the furthest tier's ``retention.keep_every`` keeps for good)."""
+    every_k: int | None = None
+    dtype: str = "as_saved"
+    """``as_saved``, ``bf16`` or ``fp16``: floating-point tensors are cast, others kept as they are."""
+    shard_mb: float = 5000.0
+    """Largest shard (a tensor bigger than that is a shard of its own, as transformers does);
+    the export's memory is about one shard."""
+    prefix: str = "model."
+    """The tensors exported: those whose name starts with this, the prefix stripped. ckptflow's
+    checkpoints hold the model under ``model.``; a torchtitan checkpoint has it at the top (``""``)."""
+    key_map: str | None = None
+    """``module:function`` mapping each exported name to a Hugging Face name (None drops it)."""
+    cold: bool = False
+    """Also upload the export to the cold tier."""
+
+    def __post_init__(self) -> None:
+        if self.when not in EXPORT_WHEN:
+            raise _fail("export.when", self.when, f"must be one of {', '.join(EXPORT_WHEN)}")
+        if self.when == "every_k" and not (self.every_k and self.every_k > 0):
+            raise _fail("export.every_k", self.every_k, "must be > 0 when export.when = 'every_k'")
+        if self.dtype not in EXPORT_DTYPES:
+            raise _fail("export.dtype", self.dtype, f"must be one of {', '.join(EXPORT_DTYPES)}")
+        if not self.shard_mb > 0:
+            raise _fail("export.shard_mb", self.shard_mb, "must be > 0")
+        if self.key_map is not None and not re.fullmatch(r"[\w.]+:\w+", self.key_map):
+            raise _fail("export.key_map", self.key_map, "must be 'module:function'")
+
+
 @dataclass(kw_only=True, slots=True)
 class PrefectConfig:
     """How the flows run under ``ckptflow serve``."""
@@ -291,12 +330,19 @@ class CkptflowConfig:
     lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)
     prefect: PrefectConfig = field(default_factory=PrefectConfig)
     drill: DrillConfig = field(default_factory=DrillConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
     source: str = BUILTIN
     """The file this config was read from (for messages)."""
 
     def __post_init__(self) -> None:
         if self.hot.is_s3 or not self.hot.is_local:
             raise _fail("hot.url", self.hot.url, "must be a local folder (the trainer writes there)")
+        if self.export.when != "off" and self.warm is None:
+            raise _fail("export.when", self.export.when, "needs a [warm] tier (the export is written there)")
+        if self.export.cold and self.cold is None:
+            raise _fail("export.cold", True, "needs a [cold] tier")
+        if self.export.when == "kept" and not any(t.retention.keep_every for t in (self.cold, self.warm) if t):
+            raise _fail("export.when", "kept", "needs retention.keep_every on the cold or warm tier")
         urls = [t.url.rstrip("/") for t in self.tiers()]
         if len(set(urls)) != len(urls):
             raise ConfigError(f"{self.source}: two tiers share one url ({urls}); each tier needs its own root")
@@ -361,7 +407,13 @@ def parse_config(data: dict[str, Any], *, source: str = BUILTIN) -> CkptflowConf
         for tier in ("hot", "warm", "cold"):
             if tier in data:
                 kw[tier] = _tier(data[tier], tier, source, base)
-        for name, cls in (("lifecycle", LifecycleConfig), ("prefect", PrefectConfig), ("drill", DrillConfig)):
+        sections = (
+            ("lifecycle", LifecycleConfig),
+            ("prefect", PrefectConfig),
+            ("drill", DrillConfig),
+            ("export", ExportConfig),
+        )
+        for name, cls in sections:
             if name in data:
                 kw[name] = _build(cls, data[name], name, source)
         return CkptflowConfig(**kw)

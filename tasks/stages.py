@@ -1,6 +1,6 @@
 """The lifecycle as a table of stages over one checkpoint.
 
-    verify -> compress -> promote (warm) -> archive (cold) -> prune (every tier)
+    verify -> compress -> promote (warm) -> export (warm) -> archive (cold) -> prune (every tier)
 
 Each stage is defined once, in :data:`STAGES`: its name, the write-once record that
 says it is done, the event the flow emits after it, the tier it needs, its retries and
@@ -64,6 +64,9 @@ class Stage:
     retry_delays_s: tuple[float, ...] = ()
     """Delays between retries of a failed attempt (I/O stages: transient S3 or NFS errors
     are the common case, and every action is safe to repeat)."""
+    wanted: Callable[[CheckpointRef], bool] | None = field(default=None, repr=False, compare=False)
+    """Whether the config asks for this stage for this checkpoint (None: always); a stage not
+    wanted is skipped like one whose tier is not configured, and leaves no record."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,8 +98,10 @@ class StageRecord:
 
 def run_stage(stage: Stage, ref: CheckpointRef) -> StageRecord | None:
     """Run ``stage`` for ``ref`` under the rules of the module docstring; None when the tier
-    the stage needs is not configured."""
+    the stage needs is not configured, or the config does not want it for this checkpoint."""
     if stage.tier is not None and not ref.has(stage.tier):
+        return None
+    if stage.wanted is not None and not stage.wanted(ref):
         return None
     for name in (stage.record, records.QUARANTINED):
         rec = records.read_record(ref.records_path, ref.step, name)
@@ -200,6 +205,18 @@ def _archive(ref: CheckpointRef) -> Done:
     return Done(_body(res, tier="cold", source=src.name))
 
 
+def _export(ref: CheckpointRef) -> Done:
+    from ckptflow.tasks.export import export_stage
+
+    return Done(export_stage(ref))
+
+
+def _export_wanted(ref: CheckpointRef) -> bool:
+    from ckptflow.tasks.export import selected
+
+    return selected(ref.cfg, ref.step) is None
+
+
 def _prune(ref: CheckpointRef) -> Done:
     from ckptflow.tasks.prune import prune_run
 
@@ -220,10 +237,11 @@ _IO = (1.0, 5.0, 15.0)
 VERIFY = Stage("verify", "verified", "V", events.VERIFIED, None, _verify, (5.0,))
 COMPRESS = Stage("compress", "compressed", "C", None, "warm", _compress, _IO)
 PROMOTE = Stage("promote", "promoted", "P", events.PROMOTED, "warm", _promote, _IO)
+EXPORT = Stage("export", "exported", "E", events.EXPORTED, "warm", _export, _IO, _export_wanted)
 ARCHIVE = Stage("archive", "archived", "A", events.ARCHIVED, "cold", _archive, _IO)
 PRUNE = Stage("prune", "pruned", "R", events.PRUNED, None, _prune, (5.0,))
 
-STAGES: tuple[Stage, ...] = (VERIFY, COMPRESS, PROMOTE, ARCHIVE, PRUNE)
+STAGES: tuple[Stage, ...] = (VERIFY, COMPRESS, PROMOTE, EXPORT, ARCHIVE, PRUNE)
 """In lifecycle order. A lifecycle is finished when the last stage's record exists (or the
 checkpoint is quarantined)."""
 

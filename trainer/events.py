@@ -32,6 +32,7 @@ __all__ = [
     "COMMITTED",
     "DRILL_COMPLETED",
     "DRILL_FAILED",
+    "EXPORTED",
     "EventSender",
     "FAILED",
     "PROMOTED",
@@ -60,6 +61,8 @@ FAILED = "ckptflow.checkpoint.failed"
 PROMOTED = "ckptflow.checkpoint.promoted"
 ARCHIVED = "ckptflow.checkpoint.archived"
 PRUNED = "ckptflow.checkpoint.pruned"
+EXPORTED = "ckptflow.checkpoint.exported"
+"""The model weights of a verified checkpoint, as safetensors: payload ``location``, ``index``."""
 DRILL_COMPLETED = "ckptflow.drill.completed"
 DRILL_FAILED = "ckptflow.drill.failed"
 _NS = uuid.UUID("6b1f3f1e-3c55-4a39-9a8e-c0ffee0f10e0")  # fixed: ids must be stable across versions

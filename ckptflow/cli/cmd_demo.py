@@ -75,17 +75,25 @@ def demo(
             cell("warm"),
             cell("cold"),
             ver,
-            f"{len(r['stages'])}/{4 if nodes > 1 else 5}",
+            f"{len(r['stages'])}/{4 if nodes > 1 else 6}",
         )
     con.print(t)
     con.print(
         (
             "stages: promoted (every node's part joined on warm), verified (on the warm copy), archived, pruned"
             if nodes > 1
-            else "stages: verified, compressed, promoted, archived, pruned"
+            else "stages: verified, compressed, promoted, exported, archived, pruned"
         )
         + " (a checkpoint that is gone from hot was pruned there by retention; it lives on in warm and cold)"
     )
+    ex = [r for r in out.checkpoints if r.get("export")]
+    if ex:
+        e = ex[-1]["export"]
+        con.print(
+            f"exported: {len(ex)} checkpoint(s) as safetensors for evaluation; step {ex[-1]['step']}: "
+            f"{e['tensors']} tensors, {(e['bytes'] or 0) / 1e6:.1f} MB in {len(e['shards'] or [])} shard(s) at "
+            f"{e['location']} and {e['cold']} (event ckptflow.checkpoint.exported)"
+        )
     a = out.adopted
     if a:
         con.print(

@@ -23,6 +23,7 @@ from ckptflow.cli import (
     cmd_demo,
     cmd_deploy,
     cmd_drill,
+    cmd_export,
     cmd_goodput,
     cmd_ls,
     cmd_pin,
@@ -55,6 +56,7 @@ cmd_restore.register(app)
 cmd_prune.register(app)
 cmd_pin.register(app)
 cmd_adopt.register(app)
+cmd_export.register(app)
 cmd_drill.register(app)
 cmd_advise.register(app)
 cmd_goodput.register(app)

@@ -4,7 +4,7 @@
 2. ``flows.serve`` serves the deployments (lifecycle on the commit event, drill, reconcile);
 3. a 2-rank torchrun job trains with checkpoints; one worker is SIGKILLed mid-run and
    torchrun restarts it; the run resumes from the newest committed checkpoint;
-4. every commit's lifecycle runs (verify -> compress -> promote -> archive -> prune);
+4. every commit's lifecycle runs (verify -> compress -> promote -> export -> archive -> prune);
 5. a checkpoint another tool wrote (a plain ``dcp.save`` folder) is adopted with
    ``ckptflow adopt``, and its commit event starts the same deployed lifecycle;
 6. a restore drill restores the newest cold checkpoint at another world size;
@@ -157,6 +157,10 @@ def _checkpoint_rows(cfg_path: str, run_path: str, steps: list[int], run_id: str
         row["expectations"] = ((v or {}).get("expectations") or {}).get("success")
         row["quarantined"] = (st.get("quarantined") or {}).get("reasons")
         row["stages"] = [k for k in RECORDS if k in st]
+        ex = st.get("exported") or {}
+        row["export"] = (
+            {k: ex.get(k) for k in ("location", "cold", "dtype", "tensors", "bytes", "shards")} if ex else None
+        )
         rows.append(row)
     return rows
 

@@ -49,6 +49,10 @@ storage_class = "STANDARD_IA"
 [cold.retention]
 keep_last = 10
 
+[export]
+when = "every"
+cold = true
+
 [prefect]
 flow_concurrency = 2
 """

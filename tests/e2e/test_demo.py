@@ -40,8 +40,8 @@ def test_demo_end_to_end(tmp_path):
     """``ckptflow demo`` as a user starts it: a Prefect server, ``ckptflow serve``, a 2-rank job
     whose commit events trigger the lifecycles; a worker SIGKILLed mid-run; every checkpoint
     verified (probe bitwise, expectations met), compressed onto warm and cold, hot pruned by
-    policy; a checkpoint another tool wrote is adopted into the same lifecycle; the drill restores
-    the newest at another world size."""
+    policy, and exported as safetensors; a checkpoint another tool wrote is adopted into the same
+    lifecycle; the drill restores the newest at another world size."""
     wd = tmp_path / "demo"
     r = _demo(wd, "--steps", "40", "--save-every", "10", "--kill-at", "15")
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
@@ -66,5 +66,13 @@ def test_demo_end_to_end(tmp_path):
     assert a["record"]["adopted"] == "dcp" and a["verified"] and a["check"] == "parse", a
     assert {"warm", "cold"} <= set(a["tiers"]), a
     assert s["lifecycle_states"]["lifecycle-other-tool-step100"] == "COMPLETED"
-    assert "demo OK" in r.stdout and "bit-identical" in r.stdout and "adopted:" in r.stdout
+    # every verified checkpoint exported beside it on warm and cold, and safetensors reads it
+    from safetensors.torch import load_file
+
+    for c in s["checkpoints"]:
+        e = c["export"]
+        assert e and e["location"].startswith(str(wd / "warm")) and e["cold"].startswith("s3://"), c
+        got = {k: v for n in e["shards"] for k, v in load_file(os.path.join(e["location"], n)).items()}
+        assert len(got) == e["tensors"] and sum(v.numel() * v.element_size() for v in got.values()) == e["bytes"]
+    assert "demo OK" in r.stdout and "bit-identical" in r.stdout and "adopted:" in r.stdout and "exported:" in r.stdout
     assert _procs_with_env(str(wd / "prefect")) == [], "the demo stopped every process it started"

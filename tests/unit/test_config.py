@@ -90,6 +90,12 @@ def test_credentials_in_the_file_are_refused_with_a_hint(tmp_path):
         ('[warm]\nurl = "w"\n', "missing section [hot]"),
         ('[hot\nurl = "h"\n', "not valid TOML"),
         ('[hot]\nurl = "h"\n[prefect]\nforkserver = "yes"\n', "prefect.forkserver"),
+        ('[hot]\nurl = "h"\n[warm]\nurl = "w"\n[export]\nwhen = "often"\n', "export.when='often'"),
+        ('[hot]\nurl = "h"\n[export]\nwhen = "every"\n', "needs a [warm] tier"),
+        ('[hot]\nurl = "h"\n[warm]\nurl = "w"\n[export]\nwhen = "every_k"\n', "export.every_k=None"),
+        ('[hot]\nurl = "h"\n[warm]\nurl = "w"\n[export]\nwhen = "kept"\n', "retention.keep_every"),
+        ('[hot]\nurl = "h"\n[warm]\nurl = "w"\n[export]\ndtype = "fp8"\n', "export.dtype='fp8'"),
+        ('[hot]\nurl = "h"\n[warm]\nurl = "w"\n[export]\nwhen = "every"\ncold = true\n', "needs a [cold] tier"),
     ],
 )
 def test_invalid_values_name_field_value_and_file(tmp_path, text, needle):
@@ -97,6 +103,18 @@ def test_invalid_values_name_field_value_and_file(tmp_path, text, needle):
     with pytest.raises(ConfigError) as e:
         load_config(path)
     assert needle in str(e.value) and path in str(e.value)
+
+
+def test_export_selects_steps_by_its_rule(tmp_path):
+    from ckptflow.tasks.export import selected
+
+    base = '[hot]\nurl = "h"\n[warm]\nurl = "w"\n[warm.retention]\nkeep_every = 30\n[export]\n'
+    every = load_config(write(tmp_path, base + 'when = "every"\n', "a.toml"))
+    k = load_config(write(tmp_path, base + 'when = "every_k"\nevery_k = 20\n', "b.toml"))
+    kept = load_config(write(tmp_path, base + 'when = "kept"\n', "c.toml"))
+    assert selected(every, 7) is None and selected(default_config(str(tmp_path)), 7) is not None
+    assert [s for s in (10, 20, 30, 40, 60) if selected(k, s) is None] == [20, 40, 60]
+    assert [s for s in (10, 20, 30, 40, 60) if selected(kept, s) is None] == [30, 60]
 
 
 def test_missing_explicit_files_are_errors(tmp_path, monkeypatch):

@@ -7,8 +7,8 @@ from ckptflow.tasks.stages import ARCHIVE, BY_NAME, RECORDS, STAGES
 
 
 def test_the_table_names_each_stage_once_in_lifecycle_order():
-    assert [s.name for s in STAGES] == ["verify", "compress", "promote", "archive", "prune"]
-    assert RECORDS == ("verified", "compressed", "promoted", "archived", "pruned")
+    assert [s.name for s in STAGES] == ["verify", "compress", "promote", "export", "archive", "prune"]
+    assert RECORDS == ("verified", "compressed", "promoted", "exported", "archived", "pruned")
     assert len({s.letter for s in STAGES}) == len(STAGES) and BY_NAME["archive"] is ARCHIVE
     assert all(s.event is None or s.event.startswith("ckptflow.checkpoint.") for s in STAGES)
 
@@ -19,7 +19,7 @@ def test_a_node_table_s_stage_is_never_taken_for_the_general_one_of_the_same_nam
     that never held it)."""
     from ckptflow.flows.nodes import NODE_STAGES
 
-    assert [s.name for s in NODE_STAGES] == ["promote", "verify", "archive", "prune"]
+    assert [s.name for s in NODE_STAGES] == ["promote", "verify", "export", "archive", "prune"]
     for node_stage in NODE_STAGES:
         general = BY_NAME[node_stage.name]
         assert (node_stage == general) is (node_stage.act is general.act), node_stage.name
