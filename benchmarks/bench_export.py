@@ -219,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         for a in ARMS:
             print(
-                f"  {a:6s}  {mbps[a]:8.0f} MB/s of checkpoint read   peak anonymous memory above start {peak[a]:7.0f} MiB"
+                f"  {a:6s}  {mbps[a]:8.0f} MB/s of checkpoint read   peak anonymous memory above start "
+                f"{peak[a]:7.0f} MiB"
             )
         print(
             f"export / read: {result['ratio_export_to_read']:.2f}x (bf16: {result['ratio_bf16_to_read']:.2f}x); "
