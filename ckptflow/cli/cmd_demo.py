@@ -75,12 +75,13 @@ def demo(
             cell("warm"),
             cell("cold"),
             ver,
-            f"{len(r['stages'])}/{4 if nodes > 1 else 6}",
+            f"{len(r['stages'])}/{5 if nodes > 1 else 6}",
         )
     con.print(t)
     con.print(
         (
-            "stages: promoted (every node's part joined on warm), verified (on the warm copy), archived, pruned"
+            "stages: promoted (every node's part joined on warm), verified (on the warm copy), exported, "
+            "archived, pruned"
             if nodes > 1
             else "stages: verified, compressed, promoted, exported, archived, pruned"
         )
@@ -92,7 +93,7 @@ def demo(
         con.print(
             f"exported: {len(ex)} checkpoint(s) as safetensors for evaluation; step {ex[-1]['step']}: "
             f"{e['tensors']} tensors, {(e['bytes'] or 0) / 1e6:.1f} MB in {len(e['shards'] or [])} shard(s) at "
-            f"{e['location']} and {e['cold']} (event ckptflow.checkpoint.exported)"
+            f"{e['location']}{' and ' + e['cold'] if e.get('cold') else ''} (event ckptflow.checkpoint.exported)"
         )
     a = out.adopted
     if a:

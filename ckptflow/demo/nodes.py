@@ -63,6 +63,8 @@ endpoint_url = "{s3}"
 keep_last = 10
 [lifecycle]
 node_part_timeout_s = 45
+[export]
+when = "every"
 """)
     return path
 

@@ -12,8 +12,8 @@ def test_node_demo_takes_every_checkpoint_through_the_node_workers_to_cold(tmp_p
     """The many-node path as shipped: ``ckptflow deploy``, ``ckptflow worker --general`` and one
     ``ckptflow worker`` per node, two torchrun agents on node-local roots whose commits reach the
     lifecycle by their real events; node 1 is lost and replaced by an empty node mid-run. Every
-    checkpoint ends promoted from the nodes' parts, verified on warm (probe bitwise), archived and
-    pruned; the drill restores the newest from cold."""
+    checkpoint ends promoted from the nodes' parts, verified on warm (probe bitwise), exported as
+    safetensors by the general worker, archived and pruned; the drill restores the newest from cold."""
     wd = tmp_path / "nodes"
     r = _demo(wd, "--nodes", "2", "--steps", "20", "--save-every", "10", "--kill-at", "15")
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
@@ -23,7 +23,8 @@ def test_node_demo_takes_every_checkpoint_through_the_node_workers_to_cold(tmp_p
     assert any("resumed from step 10" in x and "fetched" in x for x in s["resumed"]), s["resumed"]
     assert [c["step"] for c in s["checkpoints"]] == [10, 20]
     for c in s["checkpoints"]:
-        assert c["stages"] == ["verified", "promoted", "archived", "pruned"], c
+        assert c["stages"] == ["verified", "promoted", "exported", "archived", "pruned"], c
+        assert c["export"]["location"].startswith(str(wd / "warm")) and c["export"]["tensors"] > 0, c
         assert c["probe"] == "bitwise" and "cold" in c["tiers"] and not c["quarantined"], c
     assert sorted(s["lifecycle_states"]) == [f"lifecycle-demo-step{n}" for n in (10, 20)]
     assert set(s["lifecycle_states"].values()) == {"COMPLETED"}
