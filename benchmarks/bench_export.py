@@ -45,6 +45,7 @@ ARMS = ("read", "copy", "export", "bf16")
 
 WRITER = """
 import os, sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+from ckptflow.trainer.distenv import exit_process
 from torch.distributed.tensor import DeviceMesh, Shard, distribute_tensor
 dist.init_process_group("gloo")
 mb, n = float(sys.argv[2]), int(sys.argv[3])
@@ -58,6 +59,7 @@ for i in range(n):
 dcp.save({"model": state}, checkpoint_id=sys.argv[1])
 dist.barrier()
 dist.destroy_process_group()
+exit_process(0)  # no interpreter finalization racing gloo's threads (a SIGABRT seen here)
 """
 
 

@@ -62,6 +62,7 @@ def _server_event(api: str, resource: str) -> dict:
 
 TITAN = """
 import os, pickle, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+from ckptflow.trainer.distenv import exit_process
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
@@ -92,6 +93,7 @@ for step in range(1, 21):
         dcp.save(state, checkpoint_id=os.path.join(os.environ["OUT"], f"step-{step}"))
 dist.barrier()
 dist.destroy_process_group()
+exit_process(0)  # no interpreter finalization racing gloo's threads (a SIGABRT seen here)
 """
 
 

@@ -103,6 +103,7 @@ def test_export_by_hand_is_bitwise_sharded_and_refuses_bad_input_leaving_nothing
 
 HF_JOB = """
 import os, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+from ckptflow.trainer.distenv import exit_process
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -127,6 +128,7 @@ if dist.get_rank() == 0:
     cfg.save_pretrained(os.environ["CFG"])
 dist.barrier()
 dist.destroy_process_group()
+exit_process(0)  # no interpreter finalization racing gloo's threads (a SIGABRT seen here)
 """
 
 

@@ -70,6 +70,7 @@ def test_fsdp_dtensors_are_restaged_in_a_process_group():
         import json, os, tempfile
         import torch, torch.distributed as dist
         from torch.distributed.fsdp import fully_shard
+        from ckptflow.trainer.distenv import exit_process
         from torch.distributed.checkpoint.state_dict import get_state_dict
         from ckptflow.trainer.dcp.staging import ReusingStateDictStager
 
@@ -91,6 +92,7 @@ def test_fsdp_dtensors_are_restaged_in_a_process_group():
         print("RESULT " + json.dumps({"ok": ok, "reused": st.reused,
                                       "dtensor": type(staged["model"]["0.weight"]).__name__}))
         dist.destroy_process_group()
+        exit_process(0)  # no interpreter finalization racing gloo's threads
     """)
     r = run_script(script)
     assert r.returncode == 0, r.stderr[-3000:]
