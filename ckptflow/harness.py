@@ -10,15 +10,19 @@ One place for what all of them need, so each starts, waits for and stops things 
 * servers: :class:`MotoServer` (an S3-compatible server over HTTP),
   :class:`PostgresServer` (a throwaway PostgreSQL cluster) and :class:`PrefectServer`
   (``prefect server start`` with its own ``PREFECT_HOME``, on SQLite or on that PostgreSQL);
-* the reference job: :func:`reference_job` (its command line, plain process or torchrun).
+* the reference job: :func:`reference_job` (its command line, plain process or torchrun);
+* many nodes: :class:`NodeAgents` (torchrun agents as nodes), on loopback or on a real network
+  of namespaces (:class:`NetNodes`: a bridge, a veth link per node, faults on the links).
 
 Never imported by the library (trainer, tasks, flows); only standard library at import.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -617,9 +621,14 @@ def torchrun(
     nnodes: int = 1,
     node_rank: int = 0,
     rdzv_port: int | None = None,
+    rdzv_host: str = "127.0.0.1",
+    local_addr: str | None = None,
 ) -> list[str]:
     """``torchrun`` of ``module``: standalone on one node, or one agent of ``nnodes`` nodes
-    meeting at a c10d rendezvous on 127.0.0.1:``rdzv_port``."""
+    meeting at a c10d rendezvous on ``rdzv_host:rdzv_port``. With ``local_addr`` (a node in a
+    namespace of its own) the agent says which address is its own, and node 0 hosts the
+    rendezvous store (torch finds the host by matching the machine's host name, which a
+    namespace does not change)."""
     if nnodes == 1:
         where = ["--standalone"]
     else:
@@ -629,9 +638,11 @@ def torchrun(
             f"--nnodes={nnodes}",
             f"--node-rank={node_rank}",
             "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{rdzv_port}",
+            f"--rdzv-endpoint={rdzv_host}:{rdzv_port}",
             "--rdzv-id=ckptflow",
         ]
+        if local_addr is not None:
+            where += [f"--local-addr={local_addr}", f"--rdzv-conf=is_host={int(node_rank == 0)}"]
     return [
         PY,
         "-m",
@@ -648,9 +659,11 @@ def torchrun(
 
 class NodeAgents:
     """``n`` torchrun agents on this machine acting as ``n`` nodes: one c10d rendezvous on
-    127.0.0.1, and each node its own hot folder (its "local disk"). Every agent runs in its
-    own session, so :meth:`kill` takes a node's agent and workers down together, as a lost
-    node does; :meth:`start` brings a node (back) up — with an emptied folder, a replaced one.
+    127.0.0.1 (or, with ``net``, each agent in its node's namespace, the rendezvous on node 0's
+    address and gloo on the node's link), and each node its own hot folder (its "local disk").
+    Every agent runs in its own session, so :meth:`kill` takes a node's agent and workers down
+    together, as a lost node does; :meth:`start` brings a node (back) up — with an emptied
+    folder, a replaced one.
 
     Ranks are assigned at rendezvous: rank order is not node order.
     """
@@ -666,7 +679,11 @@ class NodeAgents:
         env: Mapping[str, str] | None = None,
         log_dir: str,
         port: int | None = None,
+        net: NetNodes | None = None,
     ) -> None:
+        if net is not None and net.n != len(roots):
+            raise ValueError(f"{len(roots)} roots for a network of {net.n} nodes")
+        self.net = net
         self.roots = [str(r) for r in roots]
         self.args, self.module, self.nproc, self.max_restarts = list(module_args), module, nproc, max_restarts
         self.env = child_env(env)
@@ -681,7 +698,8 @@ class NodeAgents:
         return len(self.roots)
 
     def command(self, node: int) -> list[str]:
-        return torchrun(
+        net = self.net
+        cmd = torchrun(
             self.module,
             ["--ckpt-root", self.roots[node], *self.args],
             nproc=self.nproc,
@@ -689,7 +707,10 @@ class NodeAgents:
             nnodes=self.n,
             node_rank=node,
             rdzv_port=self.port,
+            rdzv_host=net.addr(0) if net else "127.0.0.1",
+            local_addr=net.addr(node) if net else None,
         )
+        return [*net.exec_prefix(node), *cmd] if net else cmd
 
     def log_path(self, node: int) -> str:
         return os.path.join(self.log_dir, f"node{node}.{self.starts[node]}.log")
@@ -697,12 +718,14 @@ class NodeAgents:
     def start(self, node: int | None = None, *, env: Mapping[str, str] | None = None) -> None:
         for i in range(self.n) if node is None else [node]:
             self.starts[i] += 1
+            # gloo picks its interface by host name unless told: the node's link, in a namespace
+            link = {"GLOO_SOCKET_IFNAME": NetNodes.LINK} if self.net else {}
             with open(self.log_path(i), "wb") as log:
                 self.procs[i] = subprocess.Popen(
                     self.command(i),
                     stdout=log,
                     stderr=subprocess.STDOUT,
-                    env=dict(self.env, **(env or {})),
+                    env=dict(self.env, **link, **(env or {})),
                     start_new_session=True,
                 )
 
@@ -741,3 +764,146 @@ class NodeAgents:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class NetNodes:
+    """``n`` nodes in network namespaces of their own, joined by a bridge: a real network on one
+    machine (root only). Node ``i`` is namespace ``<name>-n<i>`` with ``eth0`` at ``10.77.0.<i+1>``,
+    one end of a veth pair whose other end, ``n<i>``, is a port of the bridge ``br0`` in the
+    namespace ``<name>-br``.
+
+    Faults act on the node's bridge port, as a switch's would: :meth:`link_down` /
+    :meth:`link_up` (the node's own interface stays up; its packets go nowhere), and
+    :meth:`throttle` (``tc``'s token bucket, ``tbf``, both ways; this kernel has no ``netem``,
+    so there is no delay or loss queue: a throttled link is slow, a link down loses everything).
+
+    Every name carries this process's id, and a new harness first removes the namespaces of
+    harnesses whose process is gone (:func:`remove_stale_namespaces`: SIGKILLed, no clean-up
+    ran). :meth:`close` (also on ``with`` exit, Ctrl-C included, and at interpreter exit)
+    deletes every namespace this object made, and their links with them.
+    """
+
+    SUBNET = "10.77.0"
+    LINK = "eth0"
+
+    def __init__(self, n: int, *, name: str | None = None) -> None:
+        if os.geteuid() != 0:
+            raise HarnessError("network namespaces need root (ip netns add); run the harness as root")
+        self.n = n
+        self.name = name or f"ckf{os.getpid()}x{random.randrange(1 << 16):04x}"
+        self.bridge_ns = f"{self.name}-br"
+        self.made: list[str] = []
+        remove_stale_namespaces()  # a harness SIGKILLed earlier ran no clean-up
+        atexit.register(self.close)
+        try:
+            self._add(self.bridge_ns)
+            self._in(self.bridge_ns, "ip", "link", "add", "br0", "type", "bridge")
+            self._in(self.bridge_ns, "ip", "link", "set", "br0", "up")
+            for i in range(n):
+                ns = self.ns(i)
+                self._add(ns)
+                _ip(
+                    "link",
+                    "add",
+                    self.LINK,
+                    "netns",
+                    ns,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    f"n{i}",
+                    "netns",
+                    self.bridge_ns,
+                )
+                self._in(ns, "ip", "addr", "add", f"{self.addr(i)}/24", "dev", self.LINK)
+                self._in(ns, "ip", "link", "set", self.LINK, "up")
+                self._in(self.bridge_ns, "ip", "link", "set", f"n{i}", "master", "br0")
+                self._in(self.bridge_ns, "ip", "link", "set", f"n{i}", "up")
+        except BaseException:
+            self.close()
+            raise
+
+    def ns(self, i: int) -> str:
+        return f"{self.name}-n{i}"
+
+    def addr(self, i: int) -> str:
+        return f"{self.SUBNET}.{i + 1}"
+
+    def exec_prefix(self, i: int) -> list[str]:
+        """Put in front of a command to run it in node ``i``'s namespace."""
+        return ["ip", "netns", "exec", self.ns(i)]
+
+    def link_down(self, i: int) -> None:
+        self._in(self.bridge_ns, "ip", "link", "set", f"n{i}", "down")
+
+    def link_up(self, i: int) -> None:
+        self._in(self.bridge_ns, "ip", "link", "set", f"n{i}", "up")
+
+    def throttle(self, i: int, rate: str = "50mbit") -> None:
+        """Node ``i``'s link at ``rate``, both ways (``tc qdisc replace ... tbf``)."""
+        for ns, dev in ((self.ns(i), self.LINK), (self.bridge_ns, f"n{i}")):
+            self._in(
+                ns,
+                "tc",
+                "qdisc",
+                "replace",
+                "dev",
+                dev,
+                "root",
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                "64kb",
+                "latency",
+                "400ms",
+            )
+
+    def unthrottle(self, i: int) -> None:
+        for ns, dev in ((self.ns(i), self.LINK), (self.bridge_ns, f"n{i}")):
+            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"], capture_output=True)
+
+    def _add(self, ns: str) -> None:
+        _ip("netns", "add", ns)
+        self.made.append(ns)
+        self._in(ns, "ip", "link", "set", "lo", "up")
+
+    def _in(self, ns: str, *cmd: str) -> None:
+        _ip("netns", "exec", ns, *cmd)
+
+    def close(self) -> None:
+        """Delete every namespace this object made (their veth links go with them)."""
+        for ns in reversed(self.made):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+        self.made.clear()
+
+    def __enter__(self) -> NetNodes:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _ip(*args: str) -> None:
+    r = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    if r.returncode != 0:
+        raise HarnessError(f"ip {' '.join(args)}: {r.stderr.strip()}")
+
+
+def namespaces(prefix: str = "ckf") -> list[str]:
+    """This harness's network namespaces on the machine (any process's)."""
+    r = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30)
+    names = [ln.split()[0] for ln in r.stdout.splitlines() if ln.strip()]
+    return [n for n in names if re.fullmatch(rf"{prefix}\d+x[0-9a-f]{{4}}-(br|n\d+)", n)]
+
+
+def remove_stale_namespaces(prefix: str = "ckf") -> list[str]:
+    """Delete the namespaces of harnesses whose process is gone (SIGKILLed: no clean-up ran)."""
+    gone = []
+    for name in namespaces(prefix):
+        pid = int(re.match(rf"{prefix}(\d+)", name).group(1))  # type: ignore[union-attr]
+        if not _alive(pid):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+            gone.append(name)
+    return gone

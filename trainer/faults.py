@@ -4,7 +4,10 @@ Set ``CKPTFLOW_FAULT`` to ``<phase>[@<step>][:rank<r>][:attempt<a>|attempt*][:sl
 (several specs separated by commas) and the process SIGKILLs itself when it reaches
 that phase — the same signal a dead node or the OOM killer delivers, so nothing gets
 to clean up. With ``sleep<s>`` it sleeps ``s`` seconds there instead (a slow disk or
-network). Without the variable every call is a dictionary lookup and nothing else.
+network); ``CKPTFLOW_FAULT_MARKS`` names a folder where the sleep first creates
+``<phase>@<step>.rank<r>``, so a harness can act on the wire while the rank is held at the
+phase (``ckptflow.harness.NetNodes``). Without the variable every call is a dictionary
+lookup and nothing else.
 
 Trainer phases, in commit order: ``step`` (end of a training step), ``staging`` (save()
 returned while the async stager is still copying the state), ``write`` (this
@@ -31,10 +34,11 @@ import signal
 import time
 from dataclasses import dataclass
 
-__all__ = ["ENV", "FaultSpec", "SNAPSHOT_OF", "SNAPSHOT_TO", "also_kill", "maybe_crash", "parse"]
+__all__ = ["ENV", "MARKS", "FaultSpec", "SNAPSHOT_OF", "SNAPSHOT_TO", "also_kill", "maybe_crash", "parse"]
 
 
 ENV = "CKPTFLOW_FAULT"
+MARKS = "CKPTFLOW_FAULT_MARKS"
 SNAPSHOT_OF = "CKPTFLOW_SNAPSHOT_OF"
 SNAPSHOT_TO = "CKPTFLOW_SNAPSHOT_TO"
 
@@ -98,6 +102,10 @@ def maybe_crash(phase: str, step: int | None = None) -> None:
     for spec in parse(text):
         if spec.matches(phase, step, rank, attempt):
             if spec.sleep is not None:
+                marks = os.environ.get(MARKS)
+                if marks:
+                    with open(os.path.join(marks, f"{phase}@{step}.rank{rank}"), "w"):
+                        pass
                 time.sleep(spec.sleep)
             elif spec.snapshot:
                 _snapshot(phase)

@@ -79,6 +79,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="whether --ckpt-root is each node's own disk or shared (auto: find out)",
     )
     p.add_argument("--replicas", type=int, default=2, help="node-local roots: nodes holding each shard (1: none)")
+    p.add_argument("--timeout-s", type=float, default=120.0, help="the training collectives' timeout")
+    p.add_argument(
+        "--ckpt-timeout-s", type=float, default=600.0, help="the checkpoint group's: replication, the commit's votes"
+    )
     p.add_argument(
         "--direct-io",
         default=None,
@@ -100,7 +104,7 @@ def _interval(v: str) -> int | str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rank%(rank)s %(name)s: %(message)s")
-    env = init_distributed()
+    env = init_distributed(timeout_s=args.timeout_s, ckpt_timeout_s=args.ckpt_timeout_s)
     old = logging.getLogRecordFactory()
 
     def factory(*a, **k):
