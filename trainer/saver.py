@@ -34,8 +34,9 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -370,6 +371,20 @@ class AsyncSaver:
                 )
             done.set_exception(e)
 
+    @contextmanager
+    def _phase(self, req: SaveRequest, name: str) -> Iterator[None]:
+        """A collective of the two-level commit that fails (a peer gone, a link down: gloo's
+        timeout) becomes a SaveError naming this node and the phase — logged at once, because
+        the training thread may die of its own collective's timeout before it sees this one."""
+        try:
+            yield
+        except BaseException as e:
+            err = self._not_committed(
+                req, f"node {self.topology.node_id} (rank {self.rank}), phase {name} of the two-level commit: {e!r}"
+            )
+            log.error("%s", err)
+            raise err from e
+
     def _not_committed(self, req: SaveRequest, detail: str) -> SaveError:
         return SaveError(
             f"checkpoint of step {req.step} in {req.run_path} was not committed: "
@@ -426,17 +441,20 @@ class AsyncSaver:
         if self.rank == 0:
             assert gathered is not None  # allocated on rank 0 by _gather_entries
             box[0] = self._build_node_manifest(gathered, req)
-        dist.broadcast_object_list(box, src=0, group=self.group)
+        with self._phase(req, "3, the manifest's broadcast"):
+            dist.broadcast_object_list(box, src=0, group=self.group)
         if box[0][0] != "ok":
             ns.discard()
             raise self._not_committed(req, box[0][1])
         _, manifest_bytes, metadata = box[0]
         manifest = Manifest.from_json(manifest_bytes, source=f"step {req.step}'s manifest from rank 0")
         tr = time.perf_counter()
-        problems = ns.decide(ns.replicate(manifest))
+        with self._phase(req, "4-5, replication"):
+            problems = ns.decide(ns.replicate(manifest))
         timing.extra["replicate_s"] = time.perf_counter() - tr
         if not problems:
-            problems = ns.decide(ns.prepare(manifest_bytes, metadata))
+            with self._phase(req, "6-7, the decision"):
+                problems = ns.decide(ns.prepare(manifest_bytes, metadata))
         if problems:
             ns.discard()
             raise self._not_committed(

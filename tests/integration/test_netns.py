@@ -88,6 +88,8 @@ def test_a_node_cut_off_before_the_decision_commits_nothing_and_the_healed_run_r
             rc0 = nodes.procs[0].wait(60)
             waited = time.monotonic() - t0
             assert rc0 != 0 and waited < 45, (rc0, waited)  # the 20 s timeout ended it, not a hang
+            said = nodes.output(0)  # the commit's own timeout (10 s) names the node and the phase
+            assert "was not committed: node " in said and "phase 6-7, the decision" in said, said[-3000:]
             for root in roots:  # step 8 was never decided: committed nowhere, named by no `latest`
                 assert _latest(root) == 4 and 8 not in _steps(root), (root, _steps(root))
             # Node 1's agent keeps calling the rendezvous host it cannot reach (torchrun's own
