@@ -148,6 +148,7 @@ class CheckpointManager:
             direct_io=cfg.direct_io,
             topology=self.topology,
             replicas=cfg.replicas,
+            timeout_s=self.env.ckpt_timeout_s,
         )
         # Snapshot consistency: the staged copy must exist before parameters change.
         # (close() removes the hook before it drops the saver, so the hook always sees this one.)

@@ -32,6 +32,9 @@ class DistEnv:
     local_world_size: int
     attempt: int
     ckpt_group: dist.ProcessGroup
+    ckpt_timeout_s: float = 600.0
+    """The checkpoint group's timeout, also the bound on each wait of a replica transfer: a
+    peer gone or a link down ends a commit after this long, naming the phase."""
 
     @property
     def is_coordinator(self) -> bool:
@@ -77,7 +80,7 @@ def init_distributed(*, timeout_s: float = 120.0, ckpt_timeout_s: float = 600.0,
             "gloo", store=_store(timeout, rank, world, attempt), rank=rank, world_size=world, timeout=timeout
         )
     ckpt_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=ckpt_timeout_s))
-    return DistEnv(rank, world, local_rank, local_world, attempt, ckpt_group)
+    return DistEnv(rank, world, local_rank, local_world, attempt, ckpt_group, ckpt_timeout_s)
 
 
 def shutdown(env: DistEnv | None = None) -> None:

@@ -49,64 +49,82 @@ def _summary(out: str) -> dict:
     return json.loads(line.split(" ", 1)[1])
 
 
-def test_a_node_cut_off_before_the_decision_commits_nothing_and_the_healed_run_resumes_bitwise(tmp_path):
-    """Two nodes over the bridge, node 1's link throttled (tbf, 50 mbit) for a whole run: the
-    shards replicate across it and every checkpoint commits. Then a run whose node 1 is cut off
-    while both nodes hold a prepared part of step 8, before the decision: node 0 fails within
-    its timeouts instead of hanging, no node's ``latest`` names step 8, and once the link is
-    back both nodes resume from step 4 and train to losses bitwise equal to the clean run's.
+@pytest.fixture(scope="module")
+def network(tmp_path_factory):
+    """Two nodes over the bridge, and a clean run on it to compare with: node 1's link throttled
+    (tbf, 50 mbit) for the whole run, the shards replicate across it and every checkpoint commits.
     Every namespace the harness made is gone afterwards."""
+    tmp = tmp_path_factory.mktemp("net")
     with NetNodes(2) as net:
         mine = [n for n in namespaces() if n.startswith(net.name)]
         assert len(mine) == 3
-        clean = [str(tmp_path / "clean" / f"node{i}") for i in range(2)]
+        clean = [str(tmp / "clean" / f"node{i}") for i in range(2)]
         net.throttle(1, "50mbit")
-        with NodeAgents(clean, _args(), log_dir=str(tmp_path / "logs-clean"), net=net) as nodes:
+        with NodeAgents(clean, _args(), log_dir=str(tmp / "logs-clean"), net=net) as nodes:
             nodes.start()
             assert nodes.wait(180) == [0, 0], nodes.output(0)[-3000:]
             summary = _summary("\n".join(nodes.output(i) for i in range(2)))  # rank 0's, on either node
         net.unthrottle(1)
         assert summary["saves"] == 3 and summary["replicated_bytes"] > 0, summary
         assert all(_latest(r) == 12 for r in clean)
-        baseline = _curve(clean)
-
-        roots = [str(tmp_path / "cut" / f"node{i}") for i in range(2)]
-        marks = tmp_path / "marks"
-        marks.mkdir()
-        timeouts = ["--timeout-s", "20", "--ckpt-timeout-s", "10"]
-        with NodeAgents(
-            roots, _args("--step-sleep", "0.2", *timeouts), log_dir=str(tmp_path / "logs"), net=net
-        ) as nodes:
-            nodes.start(env={faults.ENV: "after_part@8:sleep3", faults.MARKS: str(marks)})
-            deadline = time.monotonic() + 120
-            while len(os.listdir(marks)) < 2:  # both nodes' parts of step 8 prepared
-                assert time.monotonic() < deadline and all(p.poll() is None for p in nodes.procs if p)
-                time.sleep(0.05)
-            net.link_down(1)
-            t0 = time.monotonic()
-            assert nodes.procs[0] is not None
-            rc0 = nodes.procs[0].wait(60)
-            waited = time.monotonic() - t0
-            assert rc0 != 0 and waited < 45, (rc0, waited)  # the 20 s timeout ended it, not a hang
-            said = nodes.output(0)  # the commit's own timeout (10 s) names the node and the phase
-            assert "was not committed: node " in said and "phase 6-7, the decision" in said, said[-3000:]
-            for root in roots:  # step 8 was never decided: committed nowhere, named by no `latest`
-                assert _latest(root) == 4 and 8 not in _steps(root), (root, _steps(root))
-            # Node 1's agent keeps calling the rendezvous host it cannot reach (torchrun's own
-            # timeouts, minutes): the node is replaced the way an operator would, by a restart.
-            nodes.kill(1)
-            nodes.wait(30)
-            net.link_up(1)
-            nodes.args = _args()
-            nodes.start()
-            assert nodes.wait(240) == [0, 0], nodes.output(0)[-3000:]
-            out = "\n".join(nodes.output(i) for i in range(2))
-        assert "resumed from step 4 on 2 nodes" in out, out[-3000:]
-        got = _curve(roots)
-        assert sorted(got) == list(range(1, 13))
-        assert all(got[s] == baseline[s] for s in got), [(s, got[s], baseline[s]) for s in got if got[s] != baseline[s]]
-        assert all(_latest(r) == 12 for r in roots)
+        yield net, _curve(clean)
     assert not [n for n in namespaces() if n in mine]
+
+
+# Where node 1 is cut off in step 8's commit, what the failure names, and the step both resume from:
+# before the unanimous decision nothing commits (roll back); after it every node commits (forward).
+CUTS = [
+    ("replicate", "phase 4-5, replication", 4),
+    ("after_part", "phase 6-7, the decision", 4),
+    ("decided", None, 8),
+]
+
+
+@pytest.mark.parametrize("phase, named, resume", CUTS, ids=[c[0] for c in CUTS])
+def test_a_node_cut_off_in_the_commit_fails_in_time_leaves_latest_whole_and_the_healed_run_resumes_bitwise(
+    network, tmp_path, phase, named, resume
+):
+    """Node 1 is cut off while both nodes are held at ``phase`` of step 8's commit: node 0 fails
+    within its timeouts instead of hanging (the commit's own failure naming the node and the
+    phase), no node's ``latest`` names a step another node lacks, and once the link is back both
+    nodes resume from the newest globally committed step and train to losses bitwise equal to
+    the clean run's."""
+    net, baseline = network
+    roots = [str(tmp_path / f"node{i}") for i in range(2)]
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    timeouts = ["--timeout-s", "20", "--ckpt-timeout-s", "10"]
+    with NodeAgents(roots, _args("--step-sleep", "0.2", *timeouts), log_dir=str(tmp_path / "logs"), net=net) as nodes:
+        nodes.start(env={faults.ENV: f"{phase}@8:sleep3", faults.MARKS: str(marks)})
+        deadline = time.monotonic() + 120
+        while len(os.listdir(marks)) < 2:  # both nodes held at the phase
+            assert time.monotonic() < deadline and all(p.poll() is None for p in nodes.procs if p)
+            time.sleep(0.05)
+        net.link_down(1)
+        t0 = time.monotonic()
+        assert nodes.procs[0] is not None
+        rc0 = nodes.procs[0].wait(60)
+        waited = time.monotonic() - t0
+        assert rc0 != 0 and waited < 45, (rc0, waited)  # the 20 s timeout ended it, not a hang
+        if named:  # the commit's own timeout (10 s) names the node and the phase
+            said = nodes.output(0)
+            assert "was not committed: node " in said and named in said, said[-3000:]
+        for root in roots:  # every node holds what any `latest` names
+            assert _latest(root) == resume and (8 in _steps(root)) is (resume == 8), (root, _steps(root))
+        # Node 1's agent keeps calling the rendezvous host it cannot reach (torchrun's own
+        # timeouts, minutes): the node is replaced the way an operator would, by a restart.
+        nodes.kill(1)
+        nodes.wait(30)
+        net.link_up(1)
+        nodes.args = _args()
+        nodes.start()
+        assert nodes.wait(240) == [0, 0], nodes.output(0)[-3000:]
+        out = "\n".join(nodes.output(i) for i in range(2))
+    assert f"resumed from step {resume} on 2 nodes" in out, out[-3000:]
+    got = _curve(roots)
+    assert sorted(got) == list(range(1, 13))
+    assert all(got[s] == baseline[s] for s in got), [(s, got[s], baseline[s]) for s in got if got[s] != baseline[s]]
+    assert all(_latest(r) == 12 for r in roots)
 
 
 def test_the_namespaces_of_a_harness_killed_without_clean_up_are_removed_by_the_next():
