@@ -280,3 +280,25 @@ def alive(pid: int) -> bool:
             return f.read().split(") ")[1][0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def server_event(api: str, resource: str, name: str | None = None) -> dict:
+    """The event about ``resource`` (named ``name``, when given) that the Prefect server stored,
+    read through its REST API as a client reads it."""
+    import time
+    import urllib.request
+
+    filt: dict = {"resource": {"id": [resource]}}
+    if name is not None:
+        filt["event"] = {"name": [name]}
+    body = json.dumps({"filter": filt, "limit": 5}).encode()
+    for _ in range(100):  # the server's consumer stores events in the background
+        req = urllib.request.Request(
+            api.rstrip("/") + "/events/filter", data=body, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            found = json.loads(resp.read())["events"]
+        if found:
+            return found[0]
+        time.sleep(0.2)
+    raise AssertionError(f"no {name or 'event'} about {resource} on {api}")

@@ -18,7 +18,7 @@ import torch
 from ckptflow.trainer.events import COMMITTED, read_outbox, resource_id
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.format.commit import committed_steps
-from tests.helpers import PY, REPO, adopt_cli, cold_steps, torchrun_env, write_config
+from tests.helpers import PY, REPO, adopt_cli, cold_steps, server_event, torchrun_env, write_config
 
 
 class NotOurs:
@@ -40,24 +40,6 @@ def _dcp_folder(where) -> str:
     path = str(where / "step-30")
     dcp.save(_state(), checkpoint_id=path, no_dist=True)
     return path
-
-
-def _server_event(api: str, resource: str) -> dict:
-    """The one event about ``resource`` the Prefect server stored (its REST API, as a client reads it)."""
-    import time
-    import urllib.request
-
-    body = json.dumps({"filter": {"resource": {"id": [resource]}}, "limit": 5}).encode()
-    for _ in range(100):  # the server's consumer stores events in the background
-        req = urllib.request.Request(
-            api.rstrip("/") + "/events/filter", data=body, headers={"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            found = json.loads(resp.read())["events"]
-        if found:
-            return found[0]
-        time.sleep(0.2)
-    raise AssertionError(f"no event about {resource} on {api}")
 
 
 TITAN = """
@@ -149,7 +131,7 @@ def test_torchtitan_s_checkpoints_are_adopted_as_written_taken_to_cold_and_drill
     m = json.loads((final / layout.MANIFEST).read_text())
     assert m["adopted"]["format"] == "dcp" and m["world_size"] == 2
     assert sorted(m["files"]) == sorted(os.listdir(folder / "step-20"))
-    ev = _server_event(prefect_api, resource_id("titan", 20))  # what the deployed trigger fires on
+    ev = server_event(prefect_api, resource_id("titan", 20))  # what the deployed trigger fires on
     assert ev["event"] == COMMITTED and ev["payload"]["uri"] == str(final) and ev["payload"]["adopted"] == "dcp"
 
     cfg = write_config(tmp_path, hot, s3_endpoint, s3_bucket, hot_keep=5)

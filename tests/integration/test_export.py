@@ -17,7 +17,7 @@ import torch
 
 from ckptflow.trainer.events import EXPORTED, resource_id
 from ckptflow.trainer.format import layout
-from tests.helpers import PY, REPO, adopt_cli, flip_byte, torchrun_env, write_config
+from tests.helpers import PY, REPO, adopt_cli, flip_byte, server_event, torchrun_env, write_config
 
 
 def export_cli(*args: str) -> subprocess.CompletedProcess:
@@ -132,23 +132,6 @@ exit_process(0)  # no interpreter finalization racing gloo's threads (a SIGABRT 
 """
 
 
-def _server_event(api: str, resource: str, name: str) -> dict:
-    import time
-    import urllib.request
-
-    body = json.dumps({"filter": {"resource": {"id": [resource]}, "event": {"name": [name]}}, "limit": 5}).encode()
-    for _ in range(100):  # the server's consumer stores events in the background
-        req = urllib.request.Request(
-            api.rstrip("/") + "/events/filter", data=body, headers={"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            found = json.loads(resp.read())["events"]
-        if found:
-            return found[0]
-        time.sleep(0.2)
-    raise AssertionError(f"no {name} event about {resource} on {api}")
-
-
 def test_the_lifecycle_exports_an_fsdp_checkpoint_that_transformers_loads_with_the_same_logits(
     prefect_api, s3_endpoint, s3_bucket, tmp_path
 ):
@@ -185,7 +168,7 @@ def test_the_lifecycle_exports_an_fsdp_checkpoint_that_transformers_loads_with_t
     assert done["status"] == "done", done
     ex = done["export"]
     assert ex["exported"] and len(ex["shards"]) > 1 and ex["cold"].startswith(f"s3://{s3_bucket}/"), ex
-    ev = _server_event(prefect_api, resource_id("llama", 5), EXPORTED)  # what an evaluation job triggers on
+    ev = server_event(prefect_api, resource_id("llama", 5), EXPORTED)  # what an evaluation job triggers on
     assert ev["payload"]["location"] == ex["location"] and ev["payload"]["index"].endswith(".index.json")
     s3 = boto3.client("s3", endpoint_url=s3_endpoint, aws_access_key_id="x", aws_secret_access_key="x")
     key = ex["cold"].split("/", 3)[3]
