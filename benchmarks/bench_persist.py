@@ -13,8 +13,6 @@ thread each, one 256x256 matmul per iteration: together they fill this machine's
   and hashed: what a save did before ``trainer/dcp/writer.py``;
 * **ckptflow**: ``HashingWriter`` buffered (templates, CRC-32 by ISA-L, hashed as written); its
   templates are made by a first save that is not counted;
-* **ckptflow-direct**: ``HashingWriter`` with ``direct_io=True`` (``CheckpointConfig``'s opt-in): the
-  files written past the page cache (``trainer/dcp/_directio.py``);
 * **raw**: the same tensors' bytes written to one file and fsynced, nothing else: the floor
   of any writer that keeps the data;
 * **idle**: nothing written for as long as the dcp write took: the trainers' own rate.
@@ -36,7 +34,7 @@ import time
 import warnings
 from typing import Any
 
-WAYS = ("dcp", "ckptflow", "ckptflow-direct", "raw")
+WAYS = ("dcp", "ckptflow", "raw")
 
 
 def _trainer(stop: Any, counts: Any, slot: int) -> None:
@@ -85,14 +83,14 @@ def _tensors(sd: Any) -> list:
     return out
 
 
-def _dcp(sd: Any, path: str, fast: bool, direct: bool = False) -> None:
+def _dcp(sd: Any, path: str, fast: bool) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
     from ckptflow.trainer.dcp.writer import HashingWriter
     from ckptflow.trainer.format.checksum import hash_file
 
-    writer = HashingWriter(path, sync_files=True, direct_io=direct) if fast else FileSystemWriter(path, sync_files=True)
+    writer = HashingWriter(path, sync_files=True) if fast else FileSystemWriter(path, sync_files=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(sd, storage_writer=writer, no_dist=True)
@@ -143,7 +141,6 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(a.reps):
             dcp_wall = measure("dcp", lambda d: _dcp(sd, d, False), i)
             measure("ckptflow", lambda d: _dcp(sd, d, True), i)
-            measure("ckptflow-direct", lambda d: _dcp(sd, d, True, direct=True), i)
             measure("raw", lambda d: _raw(tensors, d), i)
             measure("idle", lambda _d: time.sleep(dcp_wall), i)
             for way in WAYS:
@@ -177,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             f" {lost:12.3f}cs {lost / raw_lost:5.2f}x"
         )
     s_d = summary["dcp"]
-    for way in ("ckptflow", "ckptflow-direct"):
+    for way in ("ckptflow",):
         s_c = summary[way]
         print(
             f"{way} / dcp: wall {s_c['wall_s'] / s_d['wall_s']:.2f}x, CPU {s_c['cpu_s'] / s_d['cpu_s']:.2f}x, "

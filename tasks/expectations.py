@@ -4,7 +4,7 @@ Checksums prove the bytes are the bytes that were written; they cannot tell that
 what was written is sane. This suite looks at the numbers: every tensor finite,
 Adam second moments non-negative, parameter norms moving by no more than a bound
 since the previous verified checkpoint, and the step moving forward. The statistics
-come from the restore sanity step (``python -m ckptflow.trainer.sanity --stats``), which has
+come from the restore sanity step (``python -m ckptflow.tasks.sanity --stats``), which has
 the restored tensors in hand.
 
 ``great_expectations`` takes seconds to import: it is imported inside ``validate``.

@@ -51,7 +51,7 @@ ENV = "CKPTFLOW_FORKSERVER"
 PRELOAD = (
     "torch",
     "torch.distributed.checkpoint",
-    "ckptflow.trainer.sanity",
+    "ckptflow.tasks.sanity",
     "ckptflow.trainer.reference.build",
     "great_expectations",
     "ckptflow.tasks.expectations",
@@ -74,7 +74,7 @@ _FAULT_ENV = "CKPTFLOW_FAULT"
 
 
 def _sanity(args: dict[str, Any]) -> Any:
-    from ckptflow.trainer.sanity import main
+    from ckptflow.tasks.sanity import main
 
     return {"rc": main(list(args["argv"]))}
 

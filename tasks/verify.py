@@ -1,7 +1,7 @@
 """The verify stage: integrity, restore sanity step, expectations — or quarantine.
 
 (a) every file against the manifest (size + xxh3-128), before anything is loaded;
-(b) the restore sanity step in a *fresh process* at world size 1 (``trainer.sanity``):
+(b) the restore sanity step in a *fresh process* at world size 1 (``tasks.sanity``):
     rebuild, load (resharding), recompute the probe loss and compare (bitwise on the
     same platform), check the restored scheduler's learning rate;
 (c) Great Expectations over per-tensor statistics (finite, Adam v >= 0, bounded norm
@@ -34,7 +34,7 @@ from ckptflow.trainer.errors import CheckpointNotFoundError
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.verify import verify_checkpoint
 
-SANITY_MODULE = "ckptflow.trainer.sanity"
+SANITY_MODULE = "ckptflow.tasks.sanity"
 
 
 @dataclass(slots=True)
@@ -53,7 +53,7 @@ class VerifyOutcome:
 
 
 def run_sanity(ckpt_dir: str, *, nproc: int = 1, timeout_s: float = 900, stats: bool = True) -> dict[str, Any]:
-    """Run ``trainer.sanity`` in a fresh process (or a torchrun job of ``nproc`` ranks).
+    """Run ``tasks.sanity`` in a fresh process (or a torchrun job of ``nproc`` ranks).
 
     At world size 1 the fresh process is a child of this machine's fork server when there is
     one (``tasks/forkserver.py``: the imports are done once per worker, not per checkpoint);

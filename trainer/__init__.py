@@ -42,8 +42,7 @@ _LAZY = {
 
 
 def __getattr__(name: str):
-    # Lazy: the CLI and the lifecycle import trainer.* modules without paying for
-    # torch.distributed.checkpoint (~8 s cold) unless they need the manager.
+    # Lazy: the CLI and lifecycle import trainer.* without torch.distributed.checkpoint's slow import
     if name in _LAZY:
         from importlib import import_module
 

@@ -1,13 +1,10 @@
 """Every private piece of torch the trainer uses, imported here and nowhere else, and why.
 
-torch.distributed.checkpoint's public surface (``dcp.save``/``load``, the planners, the
-storage reader and writer, ``DefaultStager``, ``get_state_dict``/``set_state_dict``) is what
-the trainer is built on. What it does beyond that — a writer whose results DCP's own reader
-reads, a stager that reuses the previous save's buffers, a cached local plan, a reader that
-plans whole-chunk reads — needs the symbols below, which DCP does not export. Each entry says
-what it is for; each exists in every torch of the supported window (2.11-2.14), which
-``make test-torch`` checks release by release. A torch outside the window that lacks one fails
-at import with the symbol's name, not somewhere inside a save.
+The trainer is built on DCP's public surface (``dcp.save``/``load``, planners, storage reader and writer,
+``DefaultStager``, ``get_state_dict``/``set_state_dict``). Going beyond it (a writer DCP's own reader reads, a
+stager reusing the last save's buffers, a cached local plan, whole-chunk read plans) needs the symbols below,
+each with its reason. Each exists in every torch of the supported window (2.11-2.14, checked release by
+release by ``make test-torch``); a torch lacking one fails at import naming it, not inside a save.
 """
 
 from __future__ import annotations
@@ -17,19 +14,19 @@ from typing import Any
 import torch
 
 try:
-    # What a FileSystemWriter's WriteResult carries (file, offset, length) and the
-    # FileSystemReader looks up: our writer (dcp/writer.py) produces the same results.
+    # narrow_tensor_by_index (dcp/reader.py), ShardedTensor, flatten_state_dict, set_element, _create_chunk_list,
+    # _create_read_items (dcp/planner.py): reads planned and narrowed with DCP's own helpers, exactly as DCP would.
     from torch.distributed._shard._utils import narrow_tensor_by_index
     from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-    # The load planner (dcp/planner.py) plans reads as DCP's DefaultLoadPlanner does, with DCP's own
-    # helpers, so a state dict flattens, chunks and narrows exactly as DCP would.
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-    # DCP's CPU stager behind DefaultStager: keeps one CPU buffer per live storage between
-    # saves; dcp/staging.py subclasses it to skip the deep copy around the buffers.
+    # DefaultStager's CPU stager, keeping one buffer per live storage between saves: dcp/staging.py
+    # subclasses it to skip the deep copy around the buffers.
     from torch.distributed.checkpoint._state_dict_stager import StateDictStager
     from torch.distributed.checkpoint._traverse import set_element
+
+    # _StorageInfo: what a FileSystemWriter's WriteResult carries (file, offset, length) and its reader looks
+    # up; dcp/writer.py produces the same.
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.planner_helpers import _create_chunk_list, _create_read_items
 except ImportError as e:  # pragma: no cover - a torch outside the window
@@ -55,21 +52,20 @@ __all__ = [
 
 
 def local_tensor(t: Any) -> torch.Tensor:
-    """A DTensor's local shard without autograd (``to_local()`` records a graph node and, for a
-    partial placement, may reduce): the stager and the writer read and copy its bytes only."""
+    """A DTensor's local shard without autograd (``to_local()`` records a graph node and may reduce a partial
+    placement): the stager and the writer only read and copy its bytes."""
     return t._local_tensor
 
 
 def set_state_dict_stager(stager: Any, state_dict_stager: StateDictStager) -> None:
-    """Give a ``DefaultStager`` the ``StateDictStager`` it copies with (it takes no argument for
-    one): dcp/staging.py's, which reuses the previous save's layout."""
+    """Give a ``DefaultStager`` the ``StateDictStager`` it copies with (it takes no argument for one):
+    dcp/staging.py's, which reuses the previous save's layout."""
     stager._state_dict_stager = state_dict_stager
 
 
-# DCP's plan caching (``DefaultSavePlanner(enable_plan_caching=True)``) keys its class-level
-# caches by ``_cached_plans_key``, the planner's class name: two managers in one process would
-# share (and corrupt) one entry. One key per saver keeps them apart, and dcp/planner.py drops the
-# entries when the saver closes (they live as long as the process otherwise).
+# DCP's plan caching (``enable_plan_caching=True``) keys its class-level caches by ``_cached_plans_key``, the
+# planner's class name, so two managers in one process would share (and corrupt) one entry: one key per saver
+# keeps them apart, and dcp/planner.py drops the entries when the saver closes (else they live forever).
 PLAN_CACHES = (
     "_cached_save_plan",
     "_cached_final_save_plan",

@@ -8,9 +8,8 @@
         ckpt.save(step, {"loss": loss, "lr": lr}, force=(step == max_steps))
     ckpt.close()
 
-The manager owns the interval, the async mode, the commit, resume with fallback,
-and the commit event. Public methods check ``enabled`` once, then call their
-``_``-prefixed implementation (``_load``, ``_save``), so the guard is in one place.
+The manager owns the interval, the async mode, the commit, resume with fallback, and the commit event. Public
+methods check ``enabled`` once, at the top (``save`` then calls ``_save``), so the guard is in one place.
 """
 
 from __future__ import annotations
@@ -45,8 +44,8 @@ log = logging.getLogger(__name__)
 
 
 def _agree(cfg: CheckpointConfig, env: DistEnv) -> None:
-    """Every rank must run with the same checkpoint settings: a rank that saves at another
-    interval or into another run would send the others into mismatched collectives."""
+    """Every rank must run with the same checkpoint settings (checked on the ckpt group): a rank that saves at
+    another interval or into another run would send the others into mismatched collectives."""
     if env.world_size == 1:
         return
     mine = (
@@ -145,13 +144,11 @@ class CheckpointManager:
             ckpt_group=group,
             mode=cfg.async_mode,
             writer_threads=cfg.writer_threads,
-            direct_io=cfg.direct_io,
             topology=self.topology,
             replicas=cfg.replicas,
             timeout_s=self.env.ckpt_timeout_s,
         )
-        # Snapshot consistency: the staged copy must exist before parameters change.
-        # (close() removes the hook before it drops the saver, so the hook always sees this one.)
+        # The staged copy must exist before parameters change; close() removes the hook before it drops the saver.
         self._hook = optimizer.register_step_pre_hook(lambda *_a, **_k: self._before_optimizer_step(saver))
 
     # -- public API -------------------------------------------------------------------
@@ -189,10 +186,8 @@ class CheckpointManager:
         return list(self._auto.decisions) if self._auto is not None else []
 
     def save(self, step: int, metrics: dict[str, float] | None = None, *, force: bool = False) -> bool:
-        """Save the state after ``step`` if the interval (or ``force``) says so. Returns True if started.
-
-        With ``interval="auto"`` call it after every step: the time between calls is how the
-        manager measures the step and the stall."""
+        """Save the state after ``step`` if the interval (or ``force``) says so; True if a save started. With
+        ``interval="auto"`` call it after every step: the time between calls is how it measures step and stall."""
         if not self.cfg.enabled:
             return False
         auto = self._auto
@@ -203,10 +198,8 @@ class CheckpointManager:
             due = step % int(self.cfg.interval) == 0
         if not force and not due:
             return False
-        # The previous save first (submit would wait for it anyway): its commit thread runs
-        # collectives on the checkpoint group, and so does the interval agreement below — one
-        # thread at a time on that group. A failed previous save is
-        # reported here and this one still starts.
+        # The previous save first: its lane runs collectives on the checkpoint group, as does auto.plan below, and
+        # only one thread may use that group at a time. A failed previous save is reported here; this one starts.
         self.wait()
         if auto is not None:
             # Every rank is here at this step (same interval, same step): agree on the next one.
@@ -221,11 +214,9 @@ class CheckpointManager:
                 auto.saved(step)
 
     def observe_loss(self, step: int, loss: float | torch.Tensor) -> None:
-        """This rank's loss of training step ``step`` as the loop computed it (before any all-reduce).
-
-        With ``SanitySpec(reference="next_step")`` call it every step, after the forward pass and
-        before ``optimizer.step()``: the first step after a save is that checkpoint's sanity
-        reference. Every other call returns before it looks at ``loss`` (no device sync)."""
+        """This rank's loss of step ``step`` as the loop computed it (before any all-reduce). With next-step sanity
+        (``SanitySpec(reference="next_step")``) call it every step, after forward and before ``optimizer.step()``: the
+        first step after a save is the reference. Other calls return before reading ``loss`` (no device sync)."""
         ref = self._next_ref
         if ref is None or step != ref.step + 1 or ref.done():
             return
@@ -285,8 +276,7 @@ class CheckpointManager:
         ref: NextStepLoss | None = None
         if next_step:
             self._next_ref = ref = NextStepLoss(step)
-        # The LR a resumed run will use first; the sanity step checks the restored
-        # scheduler reproduces it.
+        # The LR a resumed run will use first; the sanity step checks the restored scheduler reproduces it.
         next_lr = float(self.state.scheduler.get_last_lr()[0]) if self.state.scheduler is not None else None
 
         def build(files: dict[str, FileEntry]) -> Manifest:
@@ -312,9 +302,8 @@ class CheckpointManager:
                 log.warning("step %d: no sanity reference loss recorded: %s", ref.step, reason)
 
     def _reference_at_close(self) -> None:
-        """No step after the last save (the run ended): the model still holds that step's
-        parameters, so the fixed probe batch gives its reference — every rank runs the probe
-        together (a collective under FSDP), so they agree first, on the training group."""
+        """No step followed the last save: the model still holds its parameters, so the fixed probe batch gives
+        its reference. The ranks run it together (a collective under FSDP), so they agree first (training group)."""
         ref, self._next_ref = self._next_ref, None
         if ref is None or self.sanity is None:
             return

@@ -1,6 +1,6 @@
-"""What a training loop configures: ``CheckpointConfig`` (where, how often, how), ``Provenance``
-(what a resume must match) and ``SanitySpec`` (how a later process rebuilds the model and the
-loss it must reproduce). Plain values, checked as they are made; the manager acts on them."""
+"""What a training loop configures: ``CheckpointConfig`` (where, how often, how), ``Provenance`` (what a resume
+must match) and ``SanitySpec`` (how a later process rebuilds the model and the loss it must reproduce). Plain
+values, checked as they are made; the manager acts on them."""
 
 from __future__ import annotations
 
@@ -16,9 +16,8 @@ from ckptflow.trainer.format.checksum import hash_bytes
 from ckptflow.trainer.nodes.topology import SCOPES
 
 ASYNC_MODES = ("async_staging", "sync")
-"""``async_staging``: the state is copied into reused CPU buffers off the training thread and
-written in the background; ``sync``: written on the training thread, no CPU copy (for hosts
-without the memory for one)."""
+"""``async_staging``: the state is copied into reused CPU buffers off the training thread and written in the
+background; ``sync``: written on the training thread, no CPU copy (for hosts without the memory for one)."""
 
 __all__ = ["ASYNC_MODES", "REFERENCES", "CheckpointConfig", "Provenance", "SanitySpec", "Stateful", "code_version"]
 
@@ -35,9 +34,8 @@ class CheckpointConfig:
     run_id: str
     """Names the run on every tier; [A-Za-z0-9._-]."""
     interval: int | str = 100
-    """Save every ``interval`` steps (``save(..., force=True)`` saves regardless), or ``"auto"``:
-    the manager picks the interval from the stall, persist time and step time it measures and
-    ``mtbf_hours``, and re-evaluates it at every save (``trainer/interval.py``)."""
+    """Save every ``interval`` steps (``save(..., force=True)`` saves regardless), or ``"auto"``: picked from the
+    measured stall, persist and step times and ``mtbf_hours``, re-evaluated each save (``trainer/interval.py``)."""
     mtbf_hours: float | None = None
     """``interval="auto"``: the job's mean time between failures, in hours (required there)."""
     auto_first_interval: int = 10
@@ -46,10 +44,9 @@ class CheckpointConfig:
     auto_max_interval: int = 1_000_000
     """``interval="auto"``: bounds on the interval it picks, in steps."""
     async_mode: str = "async_staging"
-    """``async_staging`` (default): the state is copied to CPU buffers in the background and
-    written from there, training blocked only while the copy starts. ``sync``: ``dcp.save`` on the
-    training thread, which blocks for the whole write (14-22x the copy) but holds no CPU copy of
-    the state — for a host without the memory for one."""
+    """``async_staging`` (default): copied to CPU buffers in the background and written from there, training
+    blocked only while the copy starts. ``sync``: ``dcp.save`` on the training thread, which blocks for the whole
+    write but holds no CPU copy of the state — for a host without the memory for one."""
     enabled: bool = True
     """False turns every call into a no-op (load returns 0)."""
     resume: str = "auto"
@@ -60,25 +57,17 @@ class CheckpointConfig:
     """``raise``: a failed save stops training; ``continue``: log it and train on."""
     writer_threads: int = 1
     """DCP writer threads per rank."""
-    direct_io: bool = False
-    """Write the data files past the page cache (``O_DIRECT``, ``trainer/dcp/_directio.py``), buffered
-    where the file system refuses it. Off by default: on recycled page-cache pages it took the
-    same CPU and longer wall time than buffered writes; it halved the persist threads' CPU only on
-    a VM that backs guest pages lazily (docs/benchmarks.md, "Direct writes"). It also keeps
-    checkpoints from crowding training data out of the page cache, at the price of a restart on
-    the same node reading the checkpoint from the device."""
     emit_events: bool = True
     """Send ``ckptflow.checkpoint.committed`` to Prefect when PREFECT_API_URL is set."""
     event_exit_budget_s: float = 1.0
     """Longest ``close()`` waits for undelivered events (the outbox keeps them anyway)."""
     hot_scope: str = "auto"
-    """Whether ``root`` is one folder all ranks share or each node's own disk. ``auto`` finds out
-    at start-up (``trainer/nodes/topology.py``); ``shared`` or ``node`` say what to expect, and a
-    start-up that finds otherwise fails with the reason. Node-local roots commit in two levels
-    (``trainer/nodes/twolevel.py``)."""
+    """Whether ``root`` is one folder all ranks share or each node's own disk: ``auto`` finds out at start-up
+    (``trainer/nodes/topology.py``); ``shared`` or ``node`` say what to expect, and start-up fails with the reason
+    if it finds otherwise. Node-local roots commit in two levels (``trainer/nodes/twolevel.py``)."""
     replicas: int = 2
-    """Node-local roots: how many nodes hold each shard file — the node that wrote it and the
-    next ones on a ring — so a lost node loses no checkpoint. 1 turns replication off."""
+    """Node-local roots: how many nodes hold each shard file (the writer's node and the next ones on a ring), so
+    a lost node loses no checkpoint. 1 turns replication off."""
 
     def __post_init__(self) -> None:
         layout.check_run_id(self.run_id)
@@ -143,16 +132,13 @@ class SanitySpec:
     probe_tokens: list
     """A small fixed batch, stored in the manifest."""
     probe_fn: Callable[[], float]
-    """Computes the probe loss now (all ranks call it; eval mode, no grad), on the training thread
-    at every save."""
+    """Computes the probe loss now (all ranks call it; eval mode, no grad), on the training thread at every save."""
     reference: str = "probe"
-    """The loss the sanity step must reproduce. ``probe`` (default): ``probe_fn`` on the fixed
-    probe batch at save time. ``next_step``: the loss the loop computes anyway at the first step after the
-    save, handed over with ``CheckpointManager.observe_loss(step, loss)`` — no extra forward pass
-    at all (``trainer/probe.py``, ``NextStepLoss``). It needs a builder whose ``Built`` can
-    replay that step: ``replay_sampler(world_size)`` (rank 0's data at the saving world size)
-    and ``replay_loss(sampler)`` (the loop's forward, train mode, on its next batch); the
-    reference builder has both."""
+    """The loss the sanity step must reproduce. ``probe`` (default): ``probe_fn`` on the fixed probe batch at save
+    time. ``next_step``: the loss the loop computes anyway at the first step after the save, handed over with
+    ``CheckpointManager.observe_loss(step, loss)``, so no extra forward pass (``trainer/probe.py``). It needs a
+    builder whose ``Built`` can replay that step: ``replay_sampler(world_size)`` (rank 0's data at the saving world
+    size) and ``replay_loss(sampler)`` (the loop's forward, train mode, on its next batch), as the reference has."""
     next_step_timeout_s: float = 300.0
     """``next_step``: how long rank 0's commit waits for that loss before it commits without one."""
 

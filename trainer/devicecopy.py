@@ -1,26 +1,10 @@
 """Verified bytes into GPU tensors: staged in pinned host memory, copied asynchronously, one stream a thread.
 
-A load verifies each block of a mapped checkpoint file and then copies its bytes to their
-destination (``trainer/dcp/_verifiedcopy.py``). For a tensor on a CUDA device, ``dst.copy_(src)``
-from the mapped file is a copy from *pageable* memory: the driver stages it through a bounce
-buffer of its own and returns only when it is done, and every thread's copies queue on the one
-default stream. Each 1 MiB piece was such a synchronous copy (measured on an H200:
-a load into CUDA took 1.5x the same load into host memory).
-
-Here the load's threads copy each matched block's bytes into page-locked (pinned) memory
-instead, right after its digest, while they are in cache — a host copy like any other
-(``memcopy``), in the same C call as the digest — and then enqueue the host-to-device copies on
-a stream of their own, without waiting: the DMA engines move the bytes while the thread verifies
-the next run. :meth:`DeviceCopies.settle` waits for every stream before the load hands anything
-on (and on failure, before it returns: nothing writes a destination after the load is over).
-
-Each thread stages into two pinned buffers of its own, in turn (it waits, before refilling one,
-for the copies out of it: they were enqueued a whole run earlier and are long done). Pinning is
-slow (``cudaHostAlloc``), and a resume pays it once: a buffer per run, taken from PyTorch's caching
-host allocator, made a fresh load of 2.1 GB 165 ms slower than the next one on the H200; two per
-thread pin ~two runs' bytes each (``TASK_BYTES``). A piece is ``(flat, at)``: the destination tensor
-viewed as bytes and where in it, and the pieces of one tensor that lie next to each other in a run
-are one copy (one ``cudaMemcpyAsync`` per tensor and run, not per 1 MiB block).
+``dst.copy_(src)`` from a mapped file into a CUDA tensor is a synchronous copy from pageable memory on the default
+stream. Instead each load thread copies a matched block's bytes into a pinned buffer (in the digest's C call) and
+enqueues the host-to-device copies on its own stream without waiting. :meth:`DeviceCopies.settle` waits for them
+before the load hands anything on or, on failure, returns: nothing writes a destination after the load is over.
+Each thread alternates two pinned buffers (pinning is slow); adjacent pieces of one tensor in a run are one copy.
 """
 
 from __future__ import annotations
@@ -68,8 +52,8 @@ class DeviceCopies:
         return buf
 
     def issue(self, buf: torch.Tensor, spans: list[Span]) -> None:
-        """Enqueue the copies of ``spans`` out of ``buf`` (this thread's latest :meth:`buffer`) on the
-        thread's stream for their device, without waiting; adjacent spans of a tensor are one copy."""
+        """Enqueue the copies of ``spans`` out of ``buf`` (this thread's latest :meth:`buffer`) on the thread's
+        stream for their device, without waiting; adjacent spans of a tensor are one copy."""
         merged: list[list[Any]] = []
         for flat, at, off, n in spans:
             last = merged[-1] if merged else None
@@ -86,8 +70,7 @@ class DeviceCopies:
         for device, (dsts, srcs) in by_device.items():
             stream = self._stream(device)
             with torch.cuda.stream(stream):
-                # One call for them all: each torch op lets go of the GIL and waits to take it back, up
-                # to a switch interval (5 ms) while the load's main thread locates items in Python.
+                # One call for all: each torch op releases the GIL and may wait a switch interval to take it back.
                 torch._foreach_copy_(dsts, srcs, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(stream)

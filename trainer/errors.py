@@ -1,12 +1,9 @@
 """Exception types for ckptflow.
 
-Every error raised on purpose derives from :class:`CkptflowError` *and* from the
-builtin that fits, so callers can catch either (``except OSError`` keeps working
-around storage code). Messages name the path, the step and the fix: the person
-reading them is usually paged at 3 a.m. with a stalled training job.
-
-Deliberately never ``BaseException``: DCP's ``CheckpointException`` derives from
-``BaseException`` and slips past ``except Exception`` handlers; we wrap it.
+Every error raised on purpose derives from :class:`CkptflowError` *and* the fitting builtin, so callers can
+catch either (``except OSError`` keeps working around storage code). Messages name the path, the step and the
+fix. Never ``BaseException``: DCP's ``CheckpointException`` is one and slips past ``except Exception``; we
+wrap it.
 """
 
 from __future__ import annotations
@@ -38,11 +35,7 @@ class CheckpointNotFoundError(CkptflowError, FileNotFoundError):
 
 
 class IntegrityError(CkptflowError, ValueError):
-    """A checkpoint's bytes do not match its manifest.
-
-    ``path`` names the offending file (or the manifest itself) so a report can
-    point at it without parsing the message.
-    """
+    """A checkpoint's bytes do not match its manifest; ``path`` names the offending file (or the manifest)."""
 
     def __init__(self, message: str, *, path: str | None = None) -> None:
         super().__init__(message)

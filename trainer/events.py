@@ -1,14 +1,12 @@
 """The commit event: an outbox line first, then a best-effort POST to Prefect.
 
-The outbox (``<run>/_outbox.jsonl``, one fsynced line per commit) is the durable
-record; the event is a fast path. Prefect's reconcile flow reads the outbox, so an
-event lost while the server was down is caught up later.
+The outbox (``<run>/_outbox.jsonl``, one fsynced line per commit) is the durable record; the event is a fast
+path. Prefect's reconcile flow reads the outbox, so an event lost while the server was down is caught up.
 
-Sending must never stall training or process exit: a daemon thread POSTs with a
-short timeout and a few retries, and ``close()`` waits at most ``exit_budget_s``.
-Prefect itself is not imported (it costs seconds and starts background services);
-the event goes to ``POST {PREFECT_API_URL}/events`` with a deterministic id
-(uuid5 of run/step/event), which the server stores once however often it is sent.
+Sending never stalls training or exit: a daemon thread POSTs with a short timeout and a few retries, and
+``close()`` waits at most ``exit_budget_s``. Prefect is not imported (slow, starts background services): the
+event goes to ``POST {PREFECT_API_URL}/events`` with a deterministic id (uuid5 of run/step/event), which the
+server stores once however often it is sent.
 """
 
 from __future__ import annotations
@@ -51,9 +49,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# Every event ckptflow sends, named once (the trainer sends the first; the flows the rest).
-# Resource ids are ``ckptflow.checkpoint.<run>.<step>`` for all of them, so one
-# checkpoint's whole story can be filtered by resource, and automations alert on any.
+# Every event ckptflow sends (the trainer the first, the flows the rest); all have the resource id
+# ``ckptflow.checkpoint.<run>.<step>``, so one checkpoint's story filters by resource.
 COMMITTED = "ckptflow.checkpoint.committed"
 VERIFIED = "ckptflow.checkpoint.verified"
 FAILED = "ckptflow.checkpoint.failed"
@@ -99,8 +96,8 @@ def append_outbox(run_path: str, record: dict) -> None:
 
 
 def announce_commit(run_path: str, payload: dict, sender: EventSender) -> dict:
-    """A commit made known: its outbox line first (durable: what reconcile reads), then its event
-    (best effort). ``payload`` holds at least ``run_id`` and ``step``; returns the outbox line."""
+    """A commit made known: its outbox line (durable: what reconcile reads), then its event (best effort).
+    ``payload`` holds at least ``run_id`` and ``step``; returns the outbox line."""
     run_id, step = payload["run_id"], payload["step"]
     record = dict(payload, event=COMMITTED, event_id=event_id(run_id, step, COMMITTED), committed_at=time.time())
     append_outbox(run_path, record)
@@ -109,8 +106,7 @@ def announce_commit(run_path: str, payload: dict, sender: EventSender) -> dict:
 
 
 def read_jsonl(path: str) -> list[dict]:
-    """Every complete record of a JSON-lines file ([] without one; a line torn by a crash, or one
-    that is not a JSON object, is skipped)."""
+    """Every complete record of a JSON-lines file ([] if none; torn or non-object lines skipped)."""
     out = []
     try:
         with open(path, encoding="utf-8") as f:

@@ -1,29 +1,22 @@
 """Deliberate crashes at named phases, for the commit-protocol tests and ``ckptflow chaos``.
 
-Set ``CKPTFLOW_FAULT`` to ``<phase>[@<step>][:rank<r>][:attempt<a>|attempt*][:sleep<s>]``
-(several specs separated by commas) and the process SIGKILLs itself when it reaches
-that phase — the same signal a dead node or the OOM killer delivers, so nothing gets
-to clean up. With ``sleep<s>`` it sleeps ``s`` seconds there instead (a slow disk or
-network); ``CKPTFLOW_FAULT_MARKS`` names a folder where the sleep first creates
-``<phase>@<step>.rank<r>``, so a harness can act on the wire while the rank is held at the
-phase (``ckptflow.harness.NetNodes``). Without the variable every call is a dictionary
-lookup and nothing else.
+Set ``CKPTFLOW_FAULT`` to ``<phase>[@<step>][:rank<r>][:attempt<a>|attempt*][:sleep<s>]`` (comma-separated
+specs) and the process SIGKILLs itself at that phase, like a dead node or the OOM killer: nothing cleans up.
+With ``sleep<s>`` it sleeps there instead (a slow disk or network); ``CKPTFLOW_FAULT_MARKS`` names a folder
+where the sleep first creates ``<phase>@<step>.rank<r>``, so a harness can act on the wire while the rank is
+held (``ckptflow.harness.NetNodes``). Without the variable each call is one dictionary lookup.
 
-Trainer phases, in commit order: ``step`` (end of a training step), ``staging`` (save()
-returned while the async stager is still copying the state), ``write`` (this
-rank's DCP writer is about to write, in the background), ``shards`` (this
-rank's DCP files written, others maybe not), ``after_shards`` (all files written,
-before the manifest), ``after_manifest`` (manifest durable in the .tmp dir, before
-the rename), ``after_rename`` (committed dir, before ``latest``), ``after_latest``
-(before the outbox line and event). Lifecycle stages add their own phase names, and
+Trainer phases, in commit order: ``step`` (end of a training step), ``staging`` (save() returned, the stager
+still copying), ``write`` (this rank's DCP writer about to write, in the background), ``shards`` (this rank's
+files written, others maybe not), ``after_shards`` (all files written, before the manifest),
+``after_manifest`` (manifest durable in the .tmp dir, before the rename), ``after_rename`` (committed, before
+``latest``), ``after_latest`` (before the outbox line and event). Lifecycle stages add their own phases, and
 adoption (``tasks/adopt.py``) ``adopt.copy`` (after each file copied into the ``.tmp`` folder).
 
-With ``snapshot`` the process does not die: it copies the paths in ``CKPTFLOW_SNAPSHOT_OF``
-(separated by ``os.pathsep``) to ``CKPTFLOW_SNAPSHOT_TO/<phase>/<i>`` and goes on. What a SIGKILL
-at that phase leaves on disk is exactly what is there when the phase is reached, so one run can
-leave the state of a crash at every phase, each to be resumed from on its own. That holds while
-no other process writes under those paths meanwhile — true where every other rank waits for this
-one (a commit coordinator's phases, a rank the others' collective waits on); elsewhere, kill.
+With ``snapshot`` the process lives on: it copies the ``os.pathsep``-separated paths of ``CKPTFLOW_SNAPSHOT_OF``
+to ``CKPTFLOW_SNAPSHOT_TO/<phase>/<i>``, exactly what a SIGKILL there would leave, so one run yields a crash
+state per phase. Valid only while nothing else writes under those paths meanwhile (where every other rank
+waits for this one: a commit coordinator's phases); elsewhere, kill.
 """
 
 from __future__ import annotations
@@ -87,8 +80,8 @@ _ALSO_KILL: list[int] = []
 
 
 def also_kill(pid: int) -> None:
-    """A crash here also SIGKILLs ``pid`` first: a fork-server child running a lifecycle stage
-    for a flow-run process (``tasks/forkserver.py``) dies as that process would have."""
+    """A crash here also SIGKILLs ``pid`` first: a fork-server child running a stage for a flow-run process
+    (``tasks/forkserver.py``) dies as that process would have."""
     _ALSO_KILL.append(pid)
 
 

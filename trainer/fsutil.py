@@ -1,8 +1,5 @@
-"""Durable local file-system primitives: the building blocks of an atomic commit.
-
-A rename is atomic but not durable until the parent directory is fsynced; a file's
-content is not durable until the file is fsynced. Every commit step below says
-which of the two it needs and does exactly that.
+"""Durable local file-system primitives: the building blocks of an atomic commit. A rename is durable only
+once the parent directory is fsynced, a file's content once the file is; each helper does what it needs.
 """
 
 from __future__ import annotations
@@ -53,11 +50,8 @@ def write_durable(path: str | os.PathLike, data: bytes) -> None:
 
 
 def replace_atomic(path: str | os.PathLike, data: bytes) -> None:
-    """Replace ``path`` so readers see the old or the new content, never a mix.
-
-    Write a uniquely named sibling, fsync it, rename over the target, fsync the
-    directory. A crash leaves at worst an orphaned ``.<name>.<uuid>.part`` file.
-    """
+    """Replace ``path`` so readers see the old or the new content, never a mix (sibling written and fsynced,
+    renamed over, directory fsynced). A crash leaves at worst an orphaned ``.<name>.<uuid>.part`` file."""
     path = os.fspath(path)
     parent = os.path.dirname(path) or "."
     tmp = os.path.join(parent, f".{os.path.basename(path)}.{uuid.uuid4().hex}.part")

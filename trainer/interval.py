@@ -1,22 +1,19 @@
 """``CheckpointConfig(interval="auto")``: the trainer picks its save interval from what it measures.
 
-What it measures, on every rank, from the calls the loop already makes (``save(step)`` once
-per step):
+Measured on every rank from the calls the loop already makes (``save(step)`` once per step):
 
-* **step** — the wall time between two consecutive ``save()`` calls where no save happened;
-* **stall** — the extra time of the step right after a save (the staging copy and the
-  optimizer's wait for it land there), median over recent saves, less the median step;
-* **persist** — save start to committed (``SaveTiming.committed_s`` of finished saves).
+* **step**: wall time between two consecutive ``save()`` calls where no save happened;
+* **stall**: the extra time of the step right after a save (staging and the optimizer's wait land there),
+  median over recent saves, less the median step;
+* **persist**: save start to committed (``SaveTiming.committed_s`` of finished saves).
 
-At each save it is due to make, every rank gathers every rank's numbers (the checkpoint group,
-with its timeout) and takes the largest of each — the slowest rank sets the pace of a
-synchronous job — so all ranks compute the same interval from the same inputs and keep saving
-at the same steps. The interval is the exact optimum for the stall and the MTBF
-(``trainer.optimum.exact_interval``; restore cost does not move it), in whole steps, never
-fewer than one save in flight allows (the previous save must be durable before the next is
-due, or training would wait for it), within ``[auto_min_interval, auto_max_interval]``.
-A change of more than 10 % (or one the in-flight floor forces) is applied and logged with its
-reason, on rank 0 to the log and to ``<run>/interval.jsonl``.
+At each save it is due to make, every rank all-gathers everyone's numbers (checkpoint group) and takes the
+largest of each (the slowest rank paces a synchronous job), so all ranks compute the same interval and save
+at the same steps. The interval is the exact optimum for stall and MTBF (``trainer.optimum.exact_interval``;
+restore cost does not move it), in whole steps, never fewer than one save in flight allows (the previous save
+must be durable before the next is due), within ``[auto_min_interval, auto_max_interval]``. A change over
+10 % (or forced by the in-flight floor) is applied and logged with its reason by rank 0, to the log and to
+``<run>/interval.jsonl``.
 """
 
 from __future__ import annotations
@@ -67,8 +64,8 @@ class Decision:
 
 
 class AutoInterval:
-    """One rank's interval planner. ``tick`` on every ``save()`` call, ``due`` to decide,
-    ``plan`` (collective) right before a save it is due to make, ``saved`` after it."""
+    """One rank's interval planner: ``tick`` on every ``save()`` call, ``due`` to decide, ``plan`` (collective)
+    right before a save it is due to make, ``saved`` after it."""
 
     def __init__(
         self,
@@ -94,7 +91,6 @@ class AutoInterval:
         self._saved_at: int | None = None
         self._warned = False
 
-    # -- measurements -------------------------------------------------------------------
     def tick(self, step: int, now: float | None = None) -> None:
         now = time.perf_counter() if now is None else now
         if self._last is not None and step == self._last[0] + 1:
@@ -118,7 +114,6 @@ class AutoInterval:
         done = [t.committed_s for t in timings[-8:] if getattr(t, "committed_s", 0.0) > 0]
         return Measured(step_s, stall, statistics.median(done) if done else None)
 
-    # -- the decision (collective) ---------------------------------------------------------
     def plan(self, step: int, timings: list[Any]) -> Decision | None:
         mine = self.measured(timings)
         every: list[Any] = [asdict(mine)]

@@ -1,7 +1,6 @@
-"""Loading a verified checkpoint into live objects, at any world size.
-
-Shared by resume (``CheckpointManager.load``) and the read-only restore sanity step
-(``trainer.sanity``), which must not create, clean or repair anything on a tier.
+"""Loading a verified checkpoint into live objects, at any world size. Shared by resume
+(``CheckpointManager.load``) and the read-only restore sanity step (``tasks.sanity``), which must not
+create, clean or repair anything on a tier.
 """
 
 from __future__ import annotations
@@ -35,10 +34,11 @@ from ckptflow.trainer.state import (
     unwrap,
 )
 
+__all__ = ["files_read", "load_local", "load_target", "load_verified"]
+
 Reshard = Callable[[str, list[Any], int, int], Any]
-"""``reshard_state(name, saved_states, rank, world) -> state``: what rank ``rank`` of ``world``
-takes for ``name`` ("sampler" or "extra") when resuming at another world size than the one
-that saved ``saved_states`` (one per saved rank) and they were not all equal."""
+"""``reshard_state(name, saved_states, rank, world) -> state``: what rank ``rank`` of ``world`` takes for
+``name`` ("sampler" or "extra") when resuming at another world size and the saved ranks' states differ."""
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +47,8 @@ WHY_BYTES = 2048
 
 
 def load_target(manifest: Manifest, *, env: DistEnv, state: TrainState, metadata: Any = None) -> dict[str, Any]:
-    """The state dict ``dcp.load`` fills for this rank (its structure decides what is read).
-    ``metadata``: DCP's (parsed by the restricted reader), for the sizes of the per-rank entries."""
+    """The state dict ``dcp.load`` fills for this rank (its structure decides what is read). ``metadata``:
+    DCP's (parsed by the restricted reader), for the sizes of the per-rank entries."""
     model, optimizer = state.model, state.optimizer
     if optimizer is not None:
         prefill_optimizer_state(model, optimizer, metadata)
@@ -70,9 +70,8 @@ def load_target(manifest: Manifest, *, env: DistEnv, state: TrainState, metadata
 
 
 def files_read(step_dir: str, target: dict[str, Any], metadata: Any = None) -> set[str]:
-    """The files a ``dcp.load`` of ``target`` from ``step_dir`` reads on this rank: DCP's own
-    load plan (so resharding at another world size is accounted for), with ``.metadata``
-    parsed by the restricted reader — call it only once ``.metadata`` matched its manifest."""
+    """The files a ``dcp.load`` of ``target`` from ``step_dir`` reads on this rank (DCP's own load plan, so
+    resharding counts). Call it only once ``.metadata`` matched its manifest."""
     from ckptflow.trainer.dcp.planner import SafeLoadPlanner
     from ckptflow.trainer.format import layout
     from ckptflow.trainer.format.dcpmeta import read_dcp_metadata
@@ -87,29 +86,22 @@ def files_read(step_dir: str, target: dict[str, Any], metadata: Any = None) -> s
 def load_verified(
     path: str, manifest: Manifest, *, env: DistEnv, state: TrainState, reshard_state: Reshard | None = None
 ) -> dict[str, Any]:
-    """``dcp.load`` the checkpoint in ``path`` — its manifest authenticated, its files not yet read.
-
-    Every byte is read once, through :class:`~ckptflow.trainer.dcp.reader.VerifiedReader`: each
-    file is checked against ``manifest`` as it is read and before any of it is handed on, and
-    nothing is unpickled. A file that does not match raises ``IntegrityError`` on every rank
-    (:func:`load_local` agrees on the outcome), so the caller can fall back together. DCP reshards to
-    the current world size. Returns the loaded ``train`` dict.
-    """
+    """``dcp.load`` the checkpoint in ``path`` (manifest authenticated, files not yet read); all ranks call it.
+    Every byte is read once, through :class:`~ckptflow.trainer.dcp.reader.VerifiedReader`, checked against
+    ``manifest`` before any of it is handed on; nothing is unpickled. A mismatch raises ``IntegrityError`` on
+    every rank (:func:`load_local` agrees), so callers fall back together. Returns the loaded ``train`` dict."""
     model, optimizer, scheduler, scaler = state.model, state.optimizer, state.scheduler, state.scaler
     sampler, extra = state.sampler, state.extra
     from ckptflow.trainer.dcp.planner import SafeLoadPlanner
     from ckptflow.trainer.dcp.reader import VerifiedReader
 
-    # At the saving world size a rank reads mostly the files it wrote: their digests start while
-    # DCP plans the load (a guess only: read_data verifies whatever the plan reads).
+    # At the saving world size a rank reads mostly its own files: hash them while DCP plans (a guess only)
     mine = (
         [n for n in manifest.files if n.startswith(f"__{env.rank}_")] if manifest.world_size == env.world_size else []
     )
     reader = VerifiedReader(path, manifest, prefetch=mine)
-    # No cyclic GC during the load: DCP's planning and the reader make hundreds of thousands of
-    # short-lived objects, which set off full collections of the process's whole heap (the model's
-    # and torch's object graphs: ~100 ms each here, every few loads). That garbage is freed by
-    # reference counting as it goes; pausing the collector skips the passes, not the freeing.
+    # No cyclic GC during the load: its many short-lived objects trigger full-heap collections, while
+    # reference counting frees them anyway; pausing skips the passes, not the freeing.
     gc_was = gc.isenabled()
     gc.disable()
     layout1 = int(manifest.state.get("layout", 1)) == 1
@@ -166,8 +158,7 @@ def load_verified(
     if own is not None:
         restore_rng(own["rng"])
     else:
-        # This rank did not exist when the checkpoint was saved (larger world now):
-        # a deterministic, rank-distinct seed instead of a copy of another rank's stream.
+        # A rank new since the save: a deterministic, rank-distinct seed, not a copy of another rank's stream
         reseed_rng((manifest.step * 1_000_003 + env.rank) & 0x7FFFFFFF)
         log.info("rank %d: no saved RNG state (saved at world size %d); reseeded", env.rank, manifest.world_size)
     return {k: tr.get(k) for k in ("step", "scheduler", "scaler")} | {
@@ -177,18 +168,10 @@ def load_verified(
 
 
 def load_local(target: dict[str, Any], reader: Any, planner: Any, env: DistEnv) -> str | None:
-    """``dcp.load(target)`` without its plan exchange: what failed (on which ranks), or None.
-
-    DCP's load gathers every rank's local plan on the coordinator, passes them through the
-    planner's global step and scatters them back, then gathers every rank's result. For a load
-    the global step changes nothing (``create_default_global_load_plan`` returns the plans as
-    they came, and the reader's ``prepare_global_plan`` too), so the exchange is pure cost: two
-    pickled collectives, ~10 ms of a 167 MB load here, and on a large job every rank's plan
-    (thousands of items each) pickled through rank 0. Each rank plans and reads on its own here,
-    then one small collective tells every rank whether all succeeded — the agreement the caller
-    needs to fall back to an older checkpoint together. Nothing before it is a collective, so a
-    rank that failed early cannot leave another waiting in one.
-    """
+    """``dcp.load(target)`` without its plan exchange: what failed (on which ranks), or None; all ranks call it.
+    For a load DCP's global plan step changes nothing, so passing every rank's pickled plan through rank 0 is
+    pure cost. Each rank plans and reads alone; then one small collective (the only one, so an early failure
+    leaves no rank waiting) tells every rank whether all succeeded, so callers fall back together."""
     err: BaseException | None = None
     try:
         md = reader.read_metadata()
@@ -212,8 +195,7 @@ def load_local(target: dict[str, Any], reader: Any, planner: Any, env: DistEnv) 
     bad = [r for r in range(env.world_size) if flags[r]]
     if not bad:
         return None
-    # All ranks agreed that bad[0] failed: it tells them why (as bytes, not a pickle), so every
-    # rank's log names the same cause.
+    # bad[0] tells every rank why (as bytes, not a pickle), so every rank's log names the same cause
     why = torch.zeros(WHY_BYTES, dtype=torch.uint8)
     if env.rank == bad[0]:
         b = mine.encode()[:WHY_BYTES]
@@ -225,9 +207,8 @@ def load_local(target: dict[str, Any], reader: Any, planner: Any, env: DistEnv) 
 
 
 def _rank_part(key: str, per: dict[int, Any], own: Any, saved: int, env: DistEnv, reshard_state: Reshard | None) -> Any:
-    """This rank's ``key`` state: its own at the saving world size; at another, the state every
-    saved rank had (if they were all equal), else what ``reshard_state`` says — never a silent
-    copy of one rank's position for another."""
+    """This rank's ``key`` state: its own at the saving world size; at another, the state all saved ranks had
+    (if equal), else what ``reshard_state`` says; never a silent copy of one rank's position for another."""
     if env.world_size == saved:
         return own.get(key) if own is not None else None
     states = [per[r].get(key) for r in range(saved)]

@@ -1,9 +1,8 @@
 """The optimum checkpoint interval and the waste of any interval: pure functions.
 
-The trainer picks its own interval with these (``CheckpointConfig(interval="auto")``) and
-``ckptflow advise`` / ``ckptflow goodput`` print them, so they live here, below both.
-Notation and the models are in ``ckptflow.tasks.advise``'s module doc: ``S`` save cost
-(the stall), ``R`` restart cost, ``M`` MTBF, ``T`` the interval of training time.
+Used by the trainer (``CheckpointConfig(interval="auto")``) and by ``ckptflow advise`` / ``goodput``, so they
+live below both. Models and notation: ``ckptflow.tasks.advise``'s module doc (``S`` save cost (the stall),
+``R`` restart cost, ``M`` MTBF, ``T`` the interval of training time).
 """
 
 from __future__ import annotations
@@ -34,9 +33,6 @@ def check_costs(**values: float) -> None:
         raise ConfigError(f"restore_s={values['restore_s']!r} must be >= 0")
 
 
-# ---- the intervals -------------------------------------------------------------------
-
-
 def young_interval(save_s: float, mtbf_s: float) -> float:
     """Young's first-order optimum ``sqrt(2·S·M)`` (minimises :func:`waste_first_order`)."""
     check_costs(save_s=save_s, mtbf_s=mtbf_s)
@@ -53,12 +49,9 @@ def daly_interval(save_s: float, mtbf_s: float) -> float:
 
 
 def exact_interval(save_s: float, mtbf_s: float) -> float:
-    """The interval that maximises :func:`availability` (exact model; see the module doc).
-
-    The root ``u = T/M`` in (0, 1) of ``g(u) = (1 − u)·e^{u + S/M} − 1``, which is
-    strictly decreasing there (``g(0) = e^{S/M} − 1 > 0``, ``g(1) = −1``). ``g`` is
-    evaluated as ``expm1(u + d) − u·e^{u + d}`` to keep precision when ``S ≪ M``.
-    """
+    """The interval that maximises :func:`availability` (exact model): the root ``u = T/M`` in (0, 1) of
+    ``g(u) = (1 − u)·e^{u + S/M} − 1``, strictly decreasing there (``g(0) > 0``, ``g(1) = −1``), evaluated
+    as ``expm1(u + d) − u·e^{u + d}`` to keep precision when ``S ≪ M``."""
     check_costs(save_s=save_s, mtbf_s=mtbf_s)
     d = save_s / mtbf_s
     lo, hi = 0.0, 1.0
@@ -74,12 +67,8 @@ def exact_interval(save_s: float, mtbf_s: float) -> float:
     return 0.5 * (lo + hi) * mtbf_s
 
 
-# ---- the waste of a given interval ---------------------------------------------------
-
-
 def waste_first_order(interval_s: float, save_s: float, restore_s: float, mtbf_s: float) -> float:
-    """``S/T + (T/2 + R)/M``: expected fraction of wall time lost (first order; can exceed 1
-    for absurd inputs, where the first-order model no longer holds)."""
+    """``S/T + (T/2 + R)/M``: expected fraction of wall time lost (first order; may exceed 1 for absurd inputs)."""
     check_costs(interval_s=interval_s, save_s=save_s, restore_s=restore_s, mtbf_s=mtbf_s)
     return save_s / interval_s + (interval_s / 2.0 + restore_s) / mtbf_s
 

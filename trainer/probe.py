@@ -1,9 +1,8 @@
 """What a checkpoint records for its restore sanity step: the reference loss and where it came from.
 
-The sanity step rebuilds the model from the files and must reproduce a loss bit for bit. Two
-references: the loss of a fixed probe batch, computed on the live model at save time
-(``SanitySpec.probe_fn``, :func:`fixed_batch_record`), or the loss the loop computes anyway at
-the first step after the save (``SanitySpec(reference="next_step")``, :class:`NextStepLoss`).
+The sanity step rebuilds the model from the files and must reproduce a loss bit for bit: a fixed probe
+batch's, computed on the live model at save time (``SanitySpec.probe_fn``, :func:`fixed_batch_record`), or
+the first step's after the save (``SanitySpec(reference="next_step")``, :class:`NextStepLoss`).
 """
 
 from __future__ import annotations
@@ -11,22 +10,14 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-# ---- SanitySpec(reference="next_step"): the loss the loop computes anyway -------------------
-
 
 class NextStepLoss:
-    """One save's sanity reference when it is the loss of the first training step after the save.
-
-    That forward pass runs on exactly the checkpoint's state — the parameters of step N (the
-    optimizer has not stepped yet), the next batch of the saved data position, the saved RNG
-    (dropout) — so the sanity step can replay it from the files and must get the same bits. The
-    loop computes it anyway: ``CheckpointManager.observe_loss`` hands it over and costs the
-    training thread a float conversion once per save. Rank 0's commit thread waits for it before
-    it writes the manifest (usually it is there before the files are: a step is shorter than a
-    persist). Whoever settles it first wins: ``observe_loss``, the optimizer pre-hook (a step
-    that came without it: nothing to record), ``close()`` (no step came: the fixed probe batch on
-    the unchanged model), or the commit's timeout.
-    """
+    """One save's sanity reference when it is the loss of the first training step after the save: that forward
+    pass runs on exactly the checkpoint's state (step N's parameters, the saved data position's next batch, the
+    saved RNG), so the sanity step replays it bit for bit. ``CheckpointManager.observe_loss`` hands it over;
+    rank 0's commit thread waits for it before writing the manifest. The first to settle it wins:
+    ``observe_loss``, the optimizer pre-hook (a step without it: nothing recorded), ``close()`` (no step
+    came: the fixed probe batch), or the commit's timeout."""
 
     def __init__(self, step: int) -> None:
         self.step = step

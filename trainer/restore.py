@@ -1,10 +1,9 @@
 """Resume: the newest checkpoint every rank can load, loaded, with fallback past damaged ones.
 
-One shared root: candidates newest first (``resume.py``), each loaded and verified as it is
-read (``loader.py``); one that fails on any rank fails on all, and they try the next older one
-together. Node-local roots: the nodes agree on the newest step they can recover, each fetches
-what it lacks from a peer's replica (``nodes.py``), then the same load. Provenance that does not
-match is refused unless allowed; a ``latest`` that named something else is repaired.
+One shared root: candidates newest first (``resume.py``), each verified as it is read (``loader.py``); one
+that fails on any rank fails on all, and they try the next older one together. Node-local roots: the nodes
+agree on the newest recoverable step, each fetches what it lacks from a peer's replica (``nodes/``), then the
+same load. Mismatched provenance is refused unless allowed; a wrong ``latest`` is repaired.
 """
 
 from __future__ import annotations
@@ -78,9 +77,8 @@ def _resume_shared(r: Resume, load: Callable[[str, Manifest], object]) -> LoadRe
     after: int | None = None
     mism: list[str] = []
     while True:
-        # Cheap checks here (manifest, every file there with its size); the load reads every
-        # byte once and verifies it as it reads, and a file that does not match fails the
-        # load on every rank, so all ranks move on to the next older checkpoint together.
+        # Cheap checks here (manifest, files present with their sizes); the load verifies every byte as it
+        # reads, and a mismatch fails it on every rank, so all move on to the next older one together.
         rep = find_resume_point(
             r.run_path, rank=env.rank, world=env.world_size, group=env.ckpt_group, deep=False, after=after
         )
@@ -99,8 +97,7 @@ def _resume_shared(r: Resume, load: Callable[[str, Manifest], object]) -> LoadRe
             log.warning("resume: skipping %s: %s", path, why)
     if rep.chosen is None:
         if r.required or skipped:
-            # Checkpoints exist but none verifies: starting over silently would
-            # throw away days of training; make the operator decide.
+            # Checkpoints exist but none verifies: starting over silently would discard training; ask the operator
             raise no_checkpoint_error(r.run_path, skipped)
         return LoadResult(0, None)
     for m in mism:
@@ -114,8 +111,7 @@ def _resume_shared(r: Resume, load: Callable[[str, Manifest], object]) -> LoadRe
 
 
 def _resume_nodes(r: Resume, state: TrainState, load: Callable[[str, Manifest], object]) -> LoadResult:
-    """Node-local roots: agree on the newest recoverable step, fetch what each node lacks,
-    verify, load (``trainer/nodes/twolevel.py``)."""
+    """Node-local roots: agree on the newest recoverable step, fetch, verify, load (``nodes/twolevel.py``)."""
     env, topo = r.env, r.topology
 
     def needs(step_dir: str, manifest: Manifest) -> set[str]:

@@ -1,14 +1,10 @@
-"""Choosing the checkpoint to resume from: newest committed one that verifies.
+"""Choosing the checkpoint to resume from: the newest committed one that verifies.
 
-Order of candidates: every committed ``step_*`` dir, newest first. ``latest`` is
-read and compared but not trusted alone — a crash between the rename and the
-pointer update leaves a newer committed dir, and an edited or stale ``latest``
-may name a missing step. Checkpoints the lifecycle quarantined are skipped.
-
-Each candidate is verified against its manifest *before* DCP reads anything (its
-``.metadata`` is a pickle): all ranks hash a share of the files in parallel and
-agree on the result over the checkpoint group. A damaged candidate is reported
-and the next older one tried.
+Candidates: every committed ``step_*`` dir, newest first. ``latest`` is compared but not trusted alone (a
+crash between rename and pointer update leaves a newer committed dir; a stale or edited ``latest`` may name a
+missing step). Quarantined checkpoints are skipped. Each candidate is verified against its manifest *before*
+DCP reads anything (``.metadata`` is a pickle), all ranks agreeing over the checkpoint group; a damaged one is
+reported and the next older one tried.
 """
 
 from __future__ import annotations
@@ -53,13 +49,9 @@ class ResumeReport:
 
 
 def verify_together(path: str, rank: int, world: int, group, *, deep: bool = True) -> tuple[Manifest | None, list[str]]:
-    """All ranks check one checkpoint and agree on the problems.
-
-    ``deep``: each rank hashes its share of the files. Not deep: the manifest is read and
-    authenticated and every listed file must exist with its size (no bytes read) — the load
-    then verifies every byte as it reads it (``trainer/dcp/reader.py``), so resume reads each byte
-    once instead of twice.
-    """
+    """All ranks check one checkpoint and agree on the problems. ``deep``: each rank hashes its share of the
+    files. Not deep: the manifest authenticated and every file present with its size; the load then verifies
+    the bytes as it reads them (``trainer/dcp/reader.py``), so each byte is read once."""
     whole = verify_checkpoint(path, only=[])  # manifest only: cheap, every rank reads it
     problems: list[str] = [str(p) for p in whole.problems]
     if whole.manifest is not None:
@@ -82,8 +74,7 @@ def verify_together(path: str, rank: int, world: int, group, *, deep: bool = Tru
 def find_resume_point(
     run_path: str, *, rank: int = 0, world: int = 1, group=None, deep: bool = True, after: int | None = None
 ) -> ResumeReport:
-    """The newest committed checkpoint that checks out (``deep``: every byte hashed; else the
-    cheap checks of :func:`verify_together`, the load verifying the bytes). ``after``: only
+    """The newest committed checkpoint that checks out (``deep``: see :func:`verify_together`). ``after``: only
     steps older than that (the next candidate after a load that failed)."""
     latest = commit.read_latest(run_path)
     steps = commit.committed_steps(run_path)

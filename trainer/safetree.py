@@ -1,16 +1,14 @@
 """A pickle-free encoding for the non-tensor state ckptflow saves (RNG, scheduler, sampler, ...).
 
-A checkpoint's bytes come from storage, and unpickling them runs whatever they say. So
-ckptflow's own state entries are not pickles: they are this tree — a JSON header for the
-structure plus a blob of raw bytes for tensors, arrays and ``bytes`` — stored in the DCP
-checkpoint as one ``uint8`` tensor per rank (so plain DCP readers see a tensor, and
-``decode(bytes(t.numpy()))`` gives the state back).
+A checkpoint's bytes come from storage and unpickling runs whatever they say, so ckptflow's own state entries
+are this tree instead: a JSON header for the structure plus a blob of raw bytes for tensors, arrays and
+``bytes``, stored as one ``uint8`` tensor per rank (plain DCP readers see a tensor; ``decode(bytes(t.numpy()))``
+gives the state back).
 
-What it holds: ``None``, ``bool``, ``int``, ``float`` (NaN and infinities included), ``str``,
-``bytes``, ``list``, ``tuple``, ``dict`` (any of these as keys), ``torch.Tensor`` (CPU, any
-dtype, any layout: saved contiguous), ``numpy.ndarray`` and numpy scalars. Anything else is
-refused at save time with the path to the value, so the problem shows when it is made, not
-at a resume.
+It holds ``None``, ``bool``, ``int``, ``float`` (NaN, infinities), ``str``, ``bytes``, ``list``, ``tuple``,
+``dict`` (any of these as keys), ``torch.Tensor`` (CPU, any dtype and layout: saved contiguous),
+``numpy.ndarray`` and numpy scalars. Anything else is refused at save time with the path to the value, so the
+problem shows when it is made, not at a resume.
 """
 
 from __future__ import annotations
@@ -57,13 +55,9 @@ def encode(obj: Any) -> bytes:
 
 
 PAD = 4096
-"""``encode_tensor`` rounds its length up to a multiple of this (zeros after the blob, which
-``decode`` never reads). A rank's entry holds numbers whose text grows and shrinks by a few
-bytes between saves (Python's RNG state is 625 ints in JSON; a data position); an entry whose
-size changes changes that rank's DCP save plan, and a changed plan defeats DCP's plan caching
-(``dcp.planner.canonical_planner``): the global plan is rebuilt and pickled through a gather and a
-scatter again, ~50 ms of CPU per save for the reference model. Seen at 4 of 9 saves before
-this; the cost is at most 4 KiB per rank."""
+"""``encode_tensor`` pads its length to a multiple of this (zeros ``decode`` never reads). Why: an entry's JSON
+text grows and shrinks by a few bytes between saves (RNG state, a data position), and a size change changes
+the rank's save plan, defeating DCP's plan caching (``dcp.planner.canonical_planner``); cost ≤ 4 KiB per rank."""
 
 
 def encode_tensor(obj: Any) -> torch.Tensor:

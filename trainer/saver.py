@@ -2,26 +2,18 @@
 
 Timeline of one save (``AsyncSaver.submit``), per rank::
 
-  main thread   stage.submit ──(returns in ~1-2 ms)──> training continues
-  stager        copy live tensors into reused CPU buffers   (must end before the
-                                                            next optimizer.step)
-  lane          DCP's save of the copy: plan (ckpt group) -> write own shards ->
-                coordinator writes .metadata; then the commit: own files' digests
-                (taken as written) -> gather to rank 0 -> rank 0 commits (manifest,
-                rename, latest, outbox, event) -> broadcast
+  main thread   stage.submit ──(returns once the copy has started)──> training continues
+  stager        copy live tensors into reused CPU buffers (must end before the next optimizer.step)
+  lane          DCP's save of the copy: plan (ckpt group) -> write own shards -> coordinator writes .metadata;
+                then the commit: own files' digests (taken as written) -> gather to rank 0 -> rank 0 commits
+                (manifest, rename, latest, outbox, event) -> broadcast
 
-The stager's thread and the lane are started once, with the saver (``_Lane``): a thread
-started per save made the training thread wait until it ran.
+The stager's thread and the lane are started once, with the saver (``_Lane``), not per save. ``async_staging``
+blocks training a fixed time per save whatever the state size (docs/benchmarks.md); ``sync`` (``dcp.save`` on the
+training thread) blocks for the whole write but keeps no CPU copy of the state, for hosts without the memory for one.
 
-Why this mode: measured (docs/benchmarks.md) asynchronous staging into a reused
-``DefaultStager`` blocks the training loop a fixed time per save whatever the state size, and
-the copy finishes long before the next optimizer step. ``sync`` (``dcp.save`` on the training
-thread) blocks for the whole write and keeps no CPU copy of the state: for hosts without the
-memory for one.
-
-All checkpoint collectives run on a dedicated process group and only from the
-lane, one save at a time, so every rank issues them in the same
-order and they never interleave with training collectives.
+All checkpoint collectives run on a dedicated process group and only from the lane, one save at a time, so every
+rank issues them in the same order and they never interleave with training collectives.
 """
 
 from __future__ import annotations
@@ -57,8 +49,7 @@ from ckptflow.trainer.nodes.topology import Topology, single
 
 log = logging.getLogger(__name__)
 
-# How long wait() gives the background thread to drop a save once its outcome is known (its
-# frame only), and close() to stop it.
+# How long wait() gives the lane to drop a save once its outcome is known (its frame only), and close() to stop it.
 _COMMIT_THREAD_EXIT_S = 30.0
 
 
@@ -71,14 +62,8 @@ def _then(first: Callable[[], None], second: Callable[[], None]) -> Callable[[],
 
 
 class _Lane:
-    """One long-lived background thread that runs each save's upload (DCP's ``save`` of the staged
-    copy) and commit, one save after another.
-
-    Not a thread per save, which is what DCP's ``async_save`` starts for its upload and what this
-    saver started for its commit: starting a thread waits until the new thread runs, and with every
-    core busy (the ranks training, the stager copying) that took 4-7 ms each on the training thread
-    — two per save, 13 of the 15 ms a save blocked training here (``docs/benchmarks.md``). This
-    thread is started once, with the saver."""
+    """One long-lived thread that runs each save's upload (DCP's ``save`` of the staged copy) and commit, in order.
+    Not a thread per save (as DCP's ``async_save`` starts): the training thread waits for a new thread to run."""
 
     def __init__(self, name: str) -> None:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
@@ -119,8 +104,7 @@ class _Lane:
 
 
 class _FaultingWriter(HashingWriter):
-    """The data-file writer (``dcp/writer.py``) with the ``write``/``shards`` fault points (tests,
-    chaos drills)."""
+    """The data-file writer (``dcp/writer.py``) with the ``write``/``shards`` fault points (tests, chaos drills)."""
 
     def __init__(self, path: str, step: int, **kw: Any) -> None:
         super().__init__(path, **kw)
@@ -134,11 +118,8 @@ class _FaultingWriter(HashingWriter):
 
 
 def my_files(all_files: set[str], rank: int, world: int) -> list[str]:
-    """The files this rank hashes: those DCP named after it (``__<rank>_*``), and on rank 0
-    any file no rank's prefix claims, so every referenced file is hashed exactly once.
-
-    Taken from the metadata DCP returns on every rank, the one list every rank agrees on.
-    """
+    """The files this rank hashes: those DCP named after it (``__<rank>_*``), and on rank 0 any file no rank's prefix
+    claims, so each is hashed exactly once. ``all_files``: from the metadata DCP returns, which all ranks agree on."""
     claimed = {f for f in all_files for r in range(world) if f.startswith(f"__{r}_")}
     mine = {f for f in all_files if f.startswith(f"__{rank}_")}
     if rank == 0:
@@ -147,12 +128,8 @@ def my_files(all_files: set[str], rank: int, world: int) -> list[str]:
 
 
 def disk_full_hint(run_path: str, need: int) -> str:
-    """Say so when the failure is most likely a full disk.
-
-    DCP's zip writer reports ENOSPC as an opaque ``unexpected pos`` RuntimeError, so
-    the free space is checked instead: below what the last checkpoint took (or 16 MiB
-    before the first one), the file system is named as full.
-    """
+    """A hint naming a full disk when free space is below ``need`` (the last checkpoint's size; 16 MiB at
+    least), else "". Checked this way because DCP's zip writer reports ENOSPC as an opaque ``unexpected pos``."""
     try:
         free = shutil.disk_usage(run_path if os.path.exists(run_path) else os.path.dirname(run_path)).free
     except OSError:
@@ -166,8 +143,7 @@ def disk_full_hint(run_path: str, need: int) -> str:
 
 
 def _entry(writer: HashingWriter, name: str) -> FileEntry:
-    """A file's manifest entry: the digest the writer computed as it wrote the file, else
-    (``.metadata``) one read of the file."""
+    """A file's manifest entry: the digest the writer took as it wrote the file, else (``.metadata``) one read."""
     path = os.path.join(writer.path, name)
     d = writer.digests.get(name)
     if d is None or os.stat(path).st_size != d.size:
@@ -206,7 +182,6 @@ class AsyncSaver:
         ckpt_group: dist.ProcessGroup,
         mode: str = "async_staging",
         writer_threads: int = 1,
-        direct_io: bool = False,
         topology: Topology | None = None,
         replicas: int = 2,
         timeout_s: float = 600.0,
@@ -222,7 +197,6 @@ class AsyncSaver:
         self._last_bytes = 0  # size of the last committed checkpoint: what the next one needs
         self.mode = mode
         self.writer_threads = writer_threads
-        self.direct_io = direct_io
         # Reused across saves: its CPU buffers are allocated once, then copied into.
         self._stager = (
             ReusingStager(
@@ -255,7 +229,6 @@ class AsyncSaver:
             req.step,
             thread_count=self.writer_threads,
             sync_files=True,
-            direct_io=self.direct_io,
         )
         t0 = time.perf_counter()
         upload: Future = Future()
@@ -276,8 +249,7 @@ class AsyncSaver:
                 upload.set_exception(e)  # the commit reports it as a SaveError
             timing.blocked_s = timing.staged_s = time.perf_counter() - t0
         else:
-            # What dcp.async_save does with async staging, but its upload runs on the lane instead
-            # of on a thread started for it (the stager's own thread is reused from save to save).
+            # dcp.async_save with async staging, but the upload runs on the lane, not on a thread started for it.
             assert self._stager is not None
             staging = self._stager.stage(state)
             assert isinstance(staging, Future)  # DefaultStager with use_async_staging: always a Future
@@ -293,8 +265,7 @@ class AsyncSaver:
         return timing
 
     def _upload(self, staging: Future, writer: _FaultingWriter, upload: Future) -> None:
-        """DCP's save of the staged copy (on the lane, once staging is done): its outcome into
-        ``upload``, as DCP's own upload executor sets it."""
+        """DCP's save of the staged copy (on the lane, once staging is done); its outcome goes into ``upload``."""
         try:
             copy = staging.result()
             upload.set_result(
@@ -324,11 +295,9 @@ class AsyncSaver:
                 self._wait_released()
 
     def _wait_released(self) -> None:
-        # The outcome is set before the lane has dropped the save (its frame: the staged copy,
-        # the writer). Waiting here means no checkpoint thread is still freeing tensors when the
-        # caller goes on to tear down its process groups or the interpreter: a daemon thread
-        # caught in C++ code by interpreter finalization aborts the process (SIGABRT) after
-        # every save succeeded. Bounded: what is left after the outcome is only that frame.
+        # The outcome is set before the lane drops the save's frame (staged copy, writer). Waiting means no thread
+        # is still freeing tensors when the caller tears down process groups or the interpreter: a daemon thread
+        # caught in C++ by interpreter finalization aborts the process (SIGABRT). Bounded: only that frame is left.
         released, self._released = self._released, None
         if released is not None:
             released.wait(timeout=_COMMIT_THREAD_EXIT_S)
@@ -373,9 +342,8 @@ class AsyncSaver:
 
     @contextmanager
     def _phase(self, req: SaveRequest, name: str) -> Iterator[None]:
-        """A collective of the two-level commit that fails (a peer gone, a link down: gloo's
-        timeout) becomes a SaveError naming this node and the phase — logged at once, because
-        the training thread may die of its own collective's timeout before it sees this one."""
+        """A failed collective of the two-level commit (peer gone, link down) becomes a SaveError naming this node
+        and phase, logged at once: the training thread may die of its own collective's timeout before seeing it."""
         try:
             yield
         except BaseException as e:
@@ -479,8 +447,7 @@ class AsyncSaver:
         for r, (ents, _, _) in enumerate(gathered):
             files.update(ents)
             owners.update(dict.fromkeys(ents, r))
-        # A manifest that misses a file DCP references would let that file go unverified
-        # (and uncopied by promote/archive): refuse to commit rather than trust less.
+        # A file DCP references but the manifest misses would go unverified (and uncopied): refuse to commit.
         missing = (set(gathered[0][2]) | {layout.DCP_METADATA}) - set(files)
         if missing:
             return None, f"no checksum for {sorted(missing)} (a rank did not hash its files)", {}
@@ -525,8 +492,7 @@ class AsyncSaver:
 
     @staticmethod
     def _discard_tmp(req: SaveRequest) -> None:
-        # Every rank has finished writing (they all reached the gather): the partial
-        # dir can go now instead of lingering until the next start-up.
+        # Every rank has finished writing (all reached the gather), so the partial dir can go now.
         from ckptflow.trainer.fsutil import remove_tree
 
         try:

@@ -2,24 +2,19 @@
 
 The DCP state dict has four parts:
 
-``model`` / ``optim``  via DCP's ``get_state_dict`` — sharded (DTensor) under FSDP2,
-                       so each rank writes only its shard and a load reshards.
-``ranks.rank<r>``      one ``uint8`` tensor per rank in a pickle-free encoding (``safetree``):
-                       step, LR scheduler, GradScaler (the same on every rank), the rank's own
-                       python, numpy, torch CPU (and CUDA) RNG states, the sampler / data
-                       loader state, ``extra``, and a copy of the module buffers — restored
-                       to the same rank (scheduler and scaler from rank 0's elsewhere). At
-                       another world size: RNG of ranks that exist in both is restored and
-                       the others reseeded; a sampler or ``extra`` state that was equal on
-                       every rank is given to every rank, one that differed needs the
-                       ``reshard_state`` hook (else a clear error); buffers of new ranks
-                       are rank 0's (in ``model``).
+``model`` / ``optim``  via DCP's ``get_state_dict``: sharded (DTensor) under FSDP2, so each rank writes
+                       only its shard and a load reshards.
+``ranks.rank<r>``      one ``uint8`` tensor per rank, pickle-free (``safetree``): step, LR scheduler,
+                       GradScaler (equal on every rank), the rank's own python/numpy/torch CPU (and CUDA)
+                       RNG states, sampler / data loader state, ``extra``, a copy of the module buffers;
+                       restored to the same rank (scheduler and scaler from rank 0's elsewhere). At another
+                       world size: RNG of ranks in both is restored, others reseeded; sampler or ``extra``
+                       state equal on every rank goes to every rank, one that differed needs the
+                       ``reshard_state`` hook (else a clear error); new ranks' buffers are rank 0's.
 
-Snapshot consistency: parameters and optimizer state are only mutated by
-``optimizer.step()``, which waits for staging (a step pre-hook in the manager).
-Everything else a forward pass may mutate (module buffers such as running stats)
-or that is a live Python object (scheduler, sampler, RNG) is copied here,
-synchronously, at save time.
+Snapshot consistency: parameters and optimizer state change only in ``optimizer.step()``, which waits for
+staging (a step pre-hook in the manager). What a forward pass may mutate (buffers such as running stats) or
+is a live Python object (scheduler, sampler, RNG) is copied here, synchronously, at save time.
 """
 
 from __future__ import annotations
@@ -64,9 +59,8 @@ __all__ = [
 
 @dataclass(frozen=True, eq=False)
 class TrainState:
-    """The live objects a checkpoint saves and a resume restores, as the training loop gave them
-    (compared by identity). ``sampler`` and ``extra``: anything with ``state_dict()`` and
-    ``load_state_dict()``; each rank keeps its own."""
+    """The live objects a checkpoint saves and a resume restores (compared by identity). ``sampler``, ``extra``:
+    anything with ``state_dict()`` and ``load_state_dict()``; each rank keeps its own."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer | None = None
@@ -107,16 +101,12 @@ def rng_key(rank: int) -> str:
     return f"rank{rank}"
 
 
-# DCP flattens nested dicts into one entry per leaf and matches entries by name on
-# load, so the *structure* of non-tensor state would have to be identical between the
-# saving and the loading job (a job without a sampler could not load one with). A
-# tuple is a leaf to DCP: wrapping each non-tensor part in one makes it a single
-# entry whose content may differ freely. The tag says what it is and its version.
+# DCP flattens nested dicts to one entry per leaf and matches them by name on load, so non-tensor state
+# would need the same structure in both jobs; a tagged tuple is one leaf whose content may differ freely.
 LAYOUT = 2
-"""``manifest.state["layout"]``. 2: each rank's non-tensor state is one ``uint8`` tensor
-``ranks.rank<r>`` in ckptflow's pickle-free encoding (``safetree.py``). 1 (before): pickled
-tuples, the sampler and ``extra`` shared in ``train`` and only the RNG per rank (still read,
-through PyTorch's restricted loader)."""
+"""``manifest.state["layout"]``. 2: each rank's non-tensor state is one ``uint8`` tensor ``ranks.rank<r>``
+(``safetree.py``). 1: pickled tagged tuples, sampler and ``extra`` shared in ``train``, only the RNG per rank
+(still read, through PyTorch's restricted loader)."""
 TRAIN_TAG = "ckptflow.train.v1"  # layout 1: step, scheduler, scaler, sampler, extra
 RNG_TAG = "ckptflow.rng.v1"  # layout 1: one rank's RNG
 RANKS = "ranks"
@@ -179,15 +169,10 @@ def build_save_state(
     train: dict[str, Any],
     per_rank: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The state dict handed to ``dcp.async_save`` for this rank (layout 2).
-
-    Model/optimizer tensors are *views* of live state, copied later by the async
-    stager; everything else is a private copy made now. Replicated entries (the model
-    under DDP, ``train``) are written from rank 0 (``dcp/planner.py``); each rank's own
-    RNG, ``per_rank`` state (sampler, ``extra``) and module buffers go into its own entry,
-    because those are not equal across ranks: BatchNorm statistics under FSDP, or under DDP
-    until the next forward broadcasts rank 0's.
-    """
+    """The state dict handed to ``dcp.async_save`` for this rank (layout 2). Model/optimizer tensors are
+    *views* of live state, copied later by the async stager; the rest is a private copy made now. Replicated
+    entries (the model under DDP, ``train``) are written from rank 0 (``dcp/planner.py``); each rank's RNG,
+    ``per_rank`` state and module buffers go into its own entry, since they differ across ranks."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     # Buffers can change in a forward pass, which runs before staging completes.
     buffers = {}
@@ -211,12 +196,9 @@ def build_load_target(
     train: dict[str, Any] | None = None,
     entry_bytes: dict[str, int] | None = None,
 ) -> dict[str, Any]:
-    """A state dict of the right structure for ``dcp.load`` to fill in place.
-
-    Layout 2: at the saving world size each rank reads its own per-rank entry; at another
-    world size every rank reads every saved rank's (to decide what a resharded rank gets).
-    ``entry_bytes``: the size of each ``ranks.rank<r>`` entry (from DCP's metadata).
-    """
+    """A state dict of the right structure for ``dcp.load`` to fill in place. Layout 2: at the saving world
+    size each rank reads its own per-rank entry, at another every saved rank's (to decide what a resharded
+    rank gets). ``entry_bytes``: the size of each ``ranks.rank<r>`` entry (from DCP's metadata)."""
     if optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         target: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
@@ -241,18 +223,11 @@ OPTIM_STATE = "optim.state."
 
 
 def prefill_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metadata: Any) -> bool:
-    """Give an optimizer that has no state yet the state tensors the checkpoint holds, uninitialised,
-    for the load to fill. True if it did.
-
-    Without state, DCP's ``get_state_dict`` runs a whole optimizer step on zero gradients (with the
-    learning rate at 0) to make the optimizer allocate its state: 467 ms of a fresh process's first
-    load of the small model here, against ~60 ms for reading and verifying all 167 MB. The
-    checkpoint's metadata says which state each parameter has, its dtype and size; a tensor of the
-    parameter's size is made like the parameter (a DTensor with its placements under FSDP2), a
-    0-dim one (Adam's ``step``) as a plain scalar. Anything else — state of another size, a
-    non-tensor value, a name no parameter of this optimizer has — leaves the optimizer untouched and
-    DCP's own way runs. The load then overwrites every one of these tensors, or fails, and resume
-    raises unless an older checkpoint loads (which overwrites them all)."""
+    """Give an optimizer without state the checkpoint's state tensors, uninitialised, for the load to fill;
+    True if it did. Else ``get_state_dict`` runs a whole optimizer step on zero gradients to allocate state,
+    costlier than the load. A tensor of the parameter's size is made like the parameter (a DTensor under
+    FSDP2), a 0-dim one (Adam's ``step``) as a scalar; anything else leaves the optimizer to DCP's own way.
+    The load then overwrites every tensor or fails (and resume raises unless an older checkpoint loads)."""
     if optimizer.state or metadata is None:
         return False
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata

@@ -1,7 +1,5 @@
-"""``python -m ckptflow.trainer.train``: the documented command of the reference job.
-
-The job itself is an example user of the library and lives in ``reference/job.py``;
-this module only keeps the command stable (``torchrun ... -m ckptflow.trainer.train``).
+"""``python -m ckptflow.trainer.train``: the documented, stable command of the reference job (under torchrun).
+The job itself, an example user of the library, lives in ``reference/job.py``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
-"""Check a local checkpoint directory against its manifest — before anything is loaded.
+"""Check a local checkpoint directory against its manifest, before anything is loaded.
 
-DCP has no checksums (a flipped data byte loads silently) and its ``.metadata`` is a
-pickle, so nothing in a checkpoint is handed to DCP until this module has confirmed
-every listed file's size and xxh3-128 digest. Files are hashed in parallel threads
-(file reads and xxhash both release the GIL).
+DCP has no checksums (a flipped byte loads silently) and its ``.metadata`` is a pickle, so nothing goes to
+DCP until every listed file's size and xxh3-128 digest are confirmed. Hashing runs in threads (reads and
+xxhash release the GIL).
 """
 
 from __future__ import annotations
@@ -48,8 +47,7 @@ class VerifyResult:
     bytes_checked: int = 0
     seconds: float = 0.0
     elsewhere: list[str] = field(default_factory=list)
-    """A node's part (``part=True``): manifest files this directory does not hold, left to the
-    other nodes' parts (``verify_parts`` checks that together they hold everything)."""
+    """A node's part (``part=True``): files this directory does not hold, left to the other nodes' parts."""
 
     @property
     def ok(self) -> bool:
@@ -123,18 +121,10 @@ def verify_checkpoint(
     expect: tuple[str, int] | None = None,
     part: bool = False,
 ) -> VerifyResult:
-    """Verify ``ckpt_dir``; ``only`` limits hashing to a subset (one rank's share).
-
-    ``part=True``: ``ckpt_dir`` may be one node's part of a checkpoint saved on node-local
-    roots (its manifest records a node placement): the files it holds are verified, the
-    ones it does not are listed in ``elsewhere`` instead of as problems.
-
-    ``expect=(run_id, step)``: the manifest must name that run and step (a checkpoint
-    copied under another run or step is someone else's, however intact).
-
-    Never raises for a bad checkpoint: the result lists every problem found, so a
-    report can name all of them. Use :meth:`VerifyResult.raise_if_bad` to fail.
-    """
+    """Verify ``ckpt_dir``; ``only`` limits hashing to a subset (one rank's share). ``part=True``: it may be one
+    node's part of a node-local checkpoint (files it lacks go to ``elsewhere``, not problems).
+    ``expect=(run_id, step)``: the manifest must name that run and step (a copy under another is someone
+    else's). Never raises for a bad checkpoint: it lists every problem; :meth:`VerifyResult.raise_if_bad` fails."""
     t0 = time.perf_counter()
     ckpt_dir = os.fspath(ckpt_dir)
     res = VerifyResult(ckpt_dir, None)
@@ -167,9 +157,7 @@ def verify_checkpoint(
         found = list(ex.map(lambda ne: check_file(ckpt_dir, ne[0], ne[1].size, ne[1].checksum), todo))
     res.problems.extend(p for p in found if p is not None)
     if layout.DCP_METADATA in names and not any(p.path.endswith(layout.DCP_METADATA) for p in res.problems):
-        # Its bytes match the manifest; it must also be a DCP metadata file. An unsigned manifest
-        # can be rewritten to vouch for anything, so a file that does not parse (or asks for a
-        # class DCP never writes) is a damaged checkpoint, reported here and never loaded.
+        # An unsigned manifest can vouch for anything: .metadata must also parse as DCP's, or it is damage
         from ckptflow.trainer.format.dcpmeta import read_dcp_metadata
 
         try:
@@ -189,8 +177,8 @@ def is_node_part(manifest: Manifest) -> bool:
 def verify_parts(
     ckpt_dirs: list[str], *, threads: int = 4, key: bytes | None = None
 ) -> tuple[list[VerifyResult], list[str]]:
-    """Several nodes' parts of one checkpoint: each part's files verify, the parts carry the same
-    manifest, and together they hold every file of it. Returns (per part, global problems)."""
+    """Several nodes' parts of one checkpoint: each part verifies, all carry the same manifest, together they
+    hold every file. Returns (per part, global problems)."""
     parts = [verify_checkpoint(d, threads=threads, key=key, part=True) for d in ckpt_dirs]
     problems: list[str] = []
     manifests = {r.manifest.to_json(key=b"") if r.manifest else None for r in parts}
@@ -207,10 +195,7 @@ def verify_parts(
 
 
 def share_of_files(manifest: Manifest, rank: int, world_size: int) -> list[str]:
-    """Files rank ``rank`` hashes when all ranks verify one checkpoint together.
-
-    Greedy by size so each rank reads about the same number of bytes.
-    """
+    """Files rank ``rank`` hashes when all ranks verify one checkpoint together (greedy by size: equal bytes)."""
     loads = [0] * world_size
     mine: list[str] = []
     for name, e in sorted(manifest.files.items(), key=lambda kv: (-kv[1].size, kv[0])):

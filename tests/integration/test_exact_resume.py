@@ -126,7 +126,7 @@ def test_resume_at_another_world_size(baseline_nodrop, tmp_path, nproc):
     # The restored state itself is exact, at this world size too.
     if nproc == 1:
         s = subprocess.run(
-            [PY, "-m", "ckptflow.trainer.sanity", step_dir(run, 4)],
+            [PY, "-m", "ckptflow.tasks.sanity", step_dir(run, 4)],
             cwd=REPO,
             env=torchrun_env(),
             capture_output=True,
@@ -136,7 +136,7 @@ def test_resume_at_another_world_size(baseline_nodrop, tmp_path, nproc):
         out = json.loads(s.stdout)
     else:
         res = tmp_path / "sanity.json"
-        s = run_torchrun([step_dir(run, 4), "--out", str(res)], nproc=nproc, module="ckptflow.trainer.sanity")
+        s = run_torchrun([step_dir(run, 4), "--out", str(res)], nproc=nproc, module="ckptflow.tasks.sanity")
         out = json.loads(res.read_text())
     assert s.returncode == 0 and out["ok"], out
     assert out["probe_match"] == "bitwise" and out["lr_match"]

@@ -18,7 +18,6 @@ from ckptflow.trainer.dcp import writer as fastwrite
 from ckptflow.trainer.format.checksum import digest_file, hash_bytes, hash_file
 from ckptflow.trainer.format.dcpmeta import read_dcp_metadata
 from tests.helpers import run_script, script_result
-from tests.unit.test_directio import directio_works
 
 TENSORS = {
     "float": torch.randn(1000),
@@ -94,12 +93,11 @@ def _sd():
     return {"model": model.state_dict(), "optim": opt.state_dict(), "step": 7, "extra": {"name": "run"}}
 
 
-@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_dcp_checkpoint_written_by_it_is_standard_dcp(tmp_path, threads, direct):
+def test_a_dcp_checkpoint_written_by_it_is_standard_dcp(tmp_path, threads):
     sd = _sd()
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
-    writer = fastwrite.HashingWriter(str(ours), thread_count=threads, direct_io=direct)
+    writer = fastwrite.HashingWriter(str(ours), thread_count=threads)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(sd, storage_writer=writer, no_dist=True)
@@ -115,8 +113,6 @@ def test_a_dcp_checkpoint_written_by_it_is_standard_dcp(tmp_path, threads, direc
     got = {n: (d.hexdigest(), d.size, d.blocks()) for n, d in writer.digests.items()}
     assert got == {n: (*hash_file(ours / n), digest_file(ours / n).blocks()) for n in names}
     assert writer.items_templated > 0
-    # Past the page cache where the file system takes O_DIRECT (this one's: see test_directio.py).
-    assert writer.files_direct == (threads if direct and directio_works(tmp_path) else 0)
     # Vanilla DCP reads it back.
     back = _sd()
     for v in back["model"].values():
@@ -130,7 +126,7 @@ def test_a_dcp_checkpoint_written_by_it_is_standard_dcp(tmp_path, threads, direc
 
     # A second save: every tensor from a template, and still the files vanilla DCP wrote.
     again = tmp_path / "again"
-    writer2 = fastwrite.HashingWriter(str(again), thread_count=threads, direct_io=direct)
+    writer2 = fastwrite.HashingWriter(str(again), thread_count=threads)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(sd, storage_writer=writer2, no_dist=True)

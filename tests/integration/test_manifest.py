@@ -107,8 +107,8 @@ def test_cli_verify_exit_codes(tiny_run, tmp_path):
 
 
 def test_sanity_builder_must_be_allowed(monkeypatch):
+    from ckptflow.tasks.sanity import BUILDERS_ENV, resolve_builder
     from ckptflow.trainer.errors import ConfigError
-    from ckptflow.trainer.sanity import BUILDERS_ENV, resolve_builder
 
     assert callable(resolve_builder("ckptflow.trainer.reference.build:build"))
     with pytest.raises(ConfigError, match="not allowed"):

@@ -71,7 +71,7 @@ def _run(tmp_path, **env):
 
 def _sanity(ckpt_dir: str) -> dict:
     s = subprocess.run(
-        [PY, "-m", "ckptflow.trainer.sanity", ckpt_dir], cwd=REPO, env=torchrun_env(), capture_output=True, text=True
+        [PY, "-m", "ckptflow.tasks.sanity", ckpt_dir], cwd=REPO, env=torchrun_env(), capture_output=True, text=True
     )
     return json.loads(s.stdout)
 

@@ -446,7 +446,7 @@ def test_without_the_c_extension_a_checkpoint_loads_and_replays_its_probe_bitwis
     code = (
         "from ckptflow.trainer import memcopy\n"
         "assert not (memcopy.STREAMING or memcopy.VERIFY_COPY or memcopy.STREAM_IN), 'the extension is on'\n"
-        "from ckptflow.trainer.sanity import main\n"
+        "from ckptflow.tasks.sanity import main\n"
         f"raise SystemExit(main([{step_dir(tiny_run, 6)!r}, '--out', {str(out)!r}]))\n"
     )
     env = dict(torchrun_env(), CKPTFLOW_NO_ACCEL="1")

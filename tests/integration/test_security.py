@@ -111,7 +111,7 @@ def _every_reader(run: str, tmp_path, cold: Tier | None) -> dict[str, object]:
     attempt(
         "sanity",
         lambda: subprocess.run(
-            [PY, "-m", "ckptflow.trainer.sanity", step_dir(run, 6)],
+            [PY, "-m", "ckptflow.tasks.sanity", step_dir(run, 6)],
             cwd=REPO,
             env=torchrun_env(),
             capture_output=True,

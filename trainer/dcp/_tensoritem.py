@@ -1,10 +1,6 @@
-"""A tensor item of a DCP data file — one ``torch.save`` zip — read without unpickling it.
-
-DCP writes each tensor as a ``torch.save`` zip. Its tiny ``data.pkl`` says dtype, storage key,
-offset, size and stride; it is read by a restricted reader that only knows
-``_rebuild_tensor_v2``, storage types and ``OrderedDict`` and can construct nothing but a
-description. The zip records are found by ``zipfmt`` (no ``zipfile``: no CRC pass, no copy).
-"""
+"""A tensor item of a DCP data file (one ``torch.save`` zip), read without unpickling it: its ``data.pkl`` goes to an
+unpickler that knows only ``_rebuild_tensor_v2``, storage types and ``OrderedDict`` and builds nothing but a
+description; ``zipfmt`` finds the zip records (no ``zipfile``: no CRC pass, no copy)."""
 
 from __future__ import annotations
 
@@ -70,8 +66,8 @@ class _TensorPickle(pickle.Unpickler):
 
 
 class _PlainPickle(pickle.Unpickler):
-    """Builds numbers, strings, bytes, None, booleans, tuples, lists, dicts and sets: no class,
-    no function, no persistent reference (each is refused)."""
+    """Builds numbers, strings, bytes, None, booleans, tuples, lists, dicts and sets; refuses any class, function or
+    persistent reference."""
 
     def find_class(self, module: str, name: str) -> Any:
         raise pickle.UnpicklingError(f"{module}.{name} is not a plain value")
@@ -85,10 +81,8 @@ NOT_PLAIN = object()
 
 
 def plain_item(item: bytes | memoryview) -> Any:
-    """The plain Python value (a number, string, tuple of them... — what an optimizer's
-    hyperparameters are) a DCP byte item holds, or :data:`NOT_PLAIN`. ``torch.load``'s restricted
-    loader took 86 us an item here against 14 us for this one, which reads the zip's ``data.pkl``
-    with an unpickler that can build nothing else."""
+    """The plain Python value (numbers, strings, tuples of them: optimizer hyperparameters) a DCP byte item holds, or
+    :data:`NOT_PLAIN`; much cheaper than ``torch.load``'s restricted loader, and builds nothing else."""
     try:
         entries = zipfmt.entries(item)
         pkl = next(n for n in entries if n.endswith("/data.pkl"))
@@ -145,17 +139,11 @@ class TensorItem:
 
 
 class Locator:
-    """:func:`tensor_item` for the many items of one load, most of which share a layout.
+    """:func:`tensor_item` for the many items of one load, most of which share a layout (a full parse is ~20 us).
 
-    Parsing an item's zip costs ~20 us of Python (seven records); a load of 309 items spent ~6 ms
-    there. Items of the same length whose zip end records are equal were written by the same
-    ``torch.save`` of a tensor of the same layout, so after the first such item the others are
-    located from its layout, checked byte for byte where it matters: the central directory
-    records and local headers of ``data.pkl`` and of the storage, which hold every name, size
-    and offset the parse would read, are the same bytes at the same places (but for the
-    storage's CRC-32, which differs with its data), and so is ``data.pkl``. Any difference
-    parses the item in full. One per load: nothing carries over.
-    """
+    Items of one length with equal zip end records come from the same ``torch.save`` of one layout, so later ones
+    reuse the first's once ``data.pkl`` and the records of ``data.pkl`` and of the storage (but for its CRC-32) match
+    byte for byte; any difference parses in full. One per load."""
 
     def __init__(self) -> None:
         self._layouts: dict[tuple[int, bytes], tuple[TensorItem, list[tuple[int, int, bytes]]]] = {}
@@ -176,8 +164,8 @@ class Locator:
 
 
 def _layout_bytes(item: memoryview, pkl: zipfmt.Entry, data: zipfmt.Entry) -> list[tuple[int, int, bytes]]:
-    """The byte ranges a same-layout item has equal to ``item``: ``data.pkl``'s records and bytes
-    whole, the storage's records but for their CRC-32 fields."""
+    """The byte ranges a same-layout item has equal to ``item``: ``data.pkl``'s records and bytes whole, the
+    storage's records but for their CRC-32 fields."""
     out = []
     for e, crc in ((pkl, None), (data, (zipfmt.LOCAL_CRC, zipfmt.CENTRAL_CRC))):
         spans = [(e.local, e.data), (e.central, zipfmt.record_end(item, e.central))]
@@ -189,8 +177,8 @@ def _layout_bytes(item: memoryview, pkl: zipfmt.Entry, data: zipfmt.Entry) -> li
 
 
 def tensor_item(item: memoryview, source: str) -> TensorItem:
-    """The layout of the tensor a ``torch.save`` zip in ``item`` holds — found without unpickling
-    anything but its ``data.pkl``, by a reader that can construct nothing but a description."""
+    """The layout of the tensor a ``torch.save`` zip in ``item`` holds, found by unpickling only its ``data.pkl``
+    with a reader that can construct nothing but a description."""
     return _parse(item, source)[0]
 
 

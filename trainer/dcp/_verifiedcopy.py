@@ -1,14 +1,9 @@
 """Copying a mapped checkpoint file into live tensors, each byte only once its digest matched.
 
-The reader (``trainer/dcp/reader.py``) hands this module two things: the file's *blocks* (byte
-ranges with the digests the manifest records for them) and the *copies* (which bytes of the
-file go to which destination tensor). A pool of threads then verifies block after block, and
-as soon as a block matched copies its bytes to their destinations while they are still in
-cache. A destination never receives a byte whose block has not matched; a block that does
-not match stops the load (the copies already made came from blocks that did match).
-
-Files whose manifest entry predates block digests are one block: the whole file under its
-``checksum`` digest, copied once it matched.
+The reader (``reader.py``) hands over the file's *blocks* (byte ranges with their manifest digests) and the *copies*
+(which bytes go to which tensor). A pool of threads verifies block after block and copies each matched block's bytes
+while they are still in cache. A destination never receives a byte whose block has not matched; a block that does
+not match stops the load. A file whose manifest entry has no block digests is one block (its ``checksum`` digest).
 """
 
 from __future__ import annotations
@@ -34,22 +29,18 @@ from ckptflow.trainer.format.checksum import CHUNK, block_digest, new_hasher
 from ckptflow.trainer.format.manifest import FileEntry
 
 READAHEAD = 256 << 20
-"""How far ahead of the digests a cold file is asked for (``MADV_WILLNEED``): it then streams
-from disk while DCP plans and the digests and copies run, instead of one page fault at a time
-(cold medium loads: 0.78x a raw read with 256 MiB, 0.74x with 64 MiB, the same without)."""
+"""How far ahead of the digests a cold file is asked for (``MADV_WILLNEED``), so it streams from disk instead of
+arriving one page fault at a time."""
 TASK_BYTES = 8 << 20
 """Blocks are verified in runs of about this many bytes per task (a task costs ~20 us)."""
 FAULT_AROUND = 64 << 10
-"""What one page fault on a mapped file maps of its resident pages (Linux's default
-``fault_around_bytes``; where it is less, the digests fault in the rest themselves)."""
+"""What one page fault on a mapped file maps of resident pages (Linux's default ``fault_around_bytes``; where it is
+less, the digests fault in the rest themselves)."""
 STREAM_CHUNK = 32 << 20
-"""What a cold file's stream brings in per step (``Streamer``), up to where the pool's threads may then
-verify. Each step ends in a wait for the GIL (up to 5 ms while the load is planned): a cold 167 MB
-load, 31 interleaved rounds here, took 1.29x a raw cold read in 8 MiB steps with the sendfile and the
-page mapping apart, 1.24x in one C call, 1.18x in one C call of 32 MiB (its stream 1.09 -> 0.96x)."""
+"""What a cold file's stream brings in per step (``Streamer``) before the pool's threads may verify it; large, as each
+step ends in a wait for the GIL (up to 5 ms while the load is planned)."""
 MAP_PIECE = 256 << 20
-"""Bytes whose pages one torch op maps (4 Ki reads, below torch's grain for parallel ops; ~25 ms
-each at most, so a stop waits no longer)."""
+"""Bytes whose pages one torch op maps (below torch's grain for parallel ops; short, so a stop waits little)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,8 +55,7 @@ class Block:
 
 
 def blocks_of(name: str, entry: FileEntry, size: int) -> list[Block]:
-    """What is verified of a file, piece by piece: its blocks where the manifest records their
-    digests, else the whole file as one piece."""
+    """What is verified of a file: its blocks where the manifest records their digests, else the whole file."""
     if not size:
         return []
     if not entry.block_size:
@@ -91,8 +81,8 @@ def runs(blocks: list[Block]) -> list[list[Block]]:
 
 
 def verify(data: Any, b: Block, path: str) -> IntegrityError | None:
-    """None if the block's bytes in ``data`` (the mapped file) have their digest, else the error
-    (returned, so the pool's threads never raise)."""
+    """None if the block's bytes in ``data`` (the mapped file) have their digest, else the error (returned, so the
+    pool's threads never raise)."""
     view = memoryview(data)
     try:
         if b.whole:
@@ -124,8 +114,8 @@ def readahead(data: Any, start: int, length: int) -> None:
 
 @dataclass(slots=True)
 class Copy:
-    """One tensor item: bytes ``[lo, hi)`` of file ``name`` go to ``dst``. ``src``: the view to
-    copy where they are not one contiguous run in ``dst``'s layout (else built only if needed)."""
+    """One tensor item: bytes ``[lo, hi)`` of file ``name`` go to ``dst``. ``src``: the view to copy where they are
+    not one contiguous run in ``dst``'s layout (else built only if needed)."""
 
     req: ReadItem
     dst: torch.Tensor
@@ -140,8 +130,8 @@ class Copy:
         return self.hi - self.lo
 
     def source(self, data: Any) -> torch.Tensor:
-        """The bytes as a tensor of the item's dtype and the destination's shape (no copy). Made
-        at its own offset: an item may start at any byte of a DCP file, too odd for a typed view."""
+        """The bytes as a tensor of the item's dtype and the destination's shape (no copy), made at its own offset:
+        an item may start at any byte of a DCP file, too odd for a typed view."""
         if self.src is not None:
             return self.src
         flat = torch.frombuffer(data, dtype=torch.uint8, count=self.nbytes, offset=self.lo)
@@ -149,28 +139,19 @@ class Copy:
 
 
 Piece = tuple[Any, Any, int]
-"""``(dst, src, n)``: ``n`` bytes from address ``src`` to ``dst`` — an address (host memory: ``memcopy.copy``)
-or ``(flat, at)``, byte ``at`` of a CUDA tensor viewed as flat uint8 (staged in pinned memory, then copied
-asynchronously: ``trainer/devicecopy.py``) — or (``n == 0``) the tensor ``src`` copied into the tensor
-``dst`` (any other device)."""
+"""``(dst, src, n)``: ``n`` bytes from address ``src`` to ``dst``, an address (host: ``memcopy.copy``) or
+``(flat, at)``, byte ``at`` of a CUDA tensor as flat uint8 (staged, copied asynchronously: ``devicecopy.py``); or,
+with ``n == 0``, tensor ``src`` copied into tensor ``dst`` (any other device)."""
 
 
 class Schedule:
     """Which copies may run once a given block has matched its digest.
 
-    A copy of one contiguous run of bytes into a contiguous destination of the same dtype is
-    split at the block boundaries into pieces, each run as soon as its own block has matched
-    (by whichever thread verified it: :meth:`match`). Any other copy (a resharding narrow with
-    strides, a dtype cast) runs whole once every block its source spans has matched, and a file
-    verified whole releases all its copies at once, in ``threads`` batches of about equal bytes.
-
-    Copies may be added while blocks are being verified (:meth:`add`: a cold file's items are
-    located behind its stream, after their blocks may have matched): what was added before its
-    block matched runs at the match, what was added after runs at once. Either way no byte is
-    copied before its block matched (one lock orders the two).
-
-    Copies to a CUDA device are enqueued on the copying thread's stream and not waited for:
-    :meth:`settle` waits for them all (``device``)."""
+    A copy of one contiguous byte run into a contiguous destination of the same dtype is split at block boundaries
+    into pieces, each run by whichever thread verified its block (:meth:`match`). Any other copy (a strided narrow,
+    a cast) runs whole once every block it spans matched; a file verified whole releases all its copies at once, in
+    ``threads`` batches of about equal bytes. Copies may be added while blocks are verified (:meth:`add`); one lock
+    ensures no byte is copied before its block matched. CUDA copies are not waited for until :meth:`settle`."""
 
     def __init__(self, blocks: list[Block], maps: dict[str, Any], threads: int) -> None:
         self.threads = threads
@@ -237,14 +218,14 @@ class Schedule:
         return self._bases[name].data_ptr()
 
     def claim(self, blocks: list[Block]) -> list[list[Piece]]:
-        """The pieces waiting for each of ``blocks``, taken by a caller that copies each block's right
-        after it matched (:func:`verify_run`); pieces added for them later wait for :meth:`match`."""
+        """The pieces waiting for each of ``blocks``, taken by a caller that copies each block's right after it matched
+        (:func:`verify_run`); pieces added for them later wait for :meth:`match`."""
         with self._lock:
             return [self.pieces.pop((b.name, b.index), []) for b in blocks]
 
     def match(self, *blocks: Block) -> tuple[list[Piece], list[Callable[[], Any]]]:
-        """``blocks`` matched (call once for each): the pieces that lie in them, for the caller to copy
-        now (:func:`run_pieces`), and the other copies their match makes runnable, as tasks."""
+        """``blocks`` matched (call once for each): the pieces in them, for the caller to copy now
+        (:func:`run_pieces`), and the other copies their match makes runnable, as tasks."""
         pieces: list[Piece] = []
         tasks: list[Callable[[], Any]] = []
         with self._lock:  # the threads that verified a copy's blocks count them down together
@@ -263,20 +244,11 @@ class Schedule:
 
 
 def verify_run(run: list[Block], sched: Schedule) -> tuple[int, list[Callable[[], Any]]]:
-    """Verify a run of consecutive blocks of one file (not ``whole``) in one call of the C extension
-    (:func:`memcopy.verify_copy`, only where :data:`memcopy.VERIFY_COPY`), each block's pieces copied
-    right after it matched, while its bytes are in cache. Returns how many blocks matched (a block
-    that does not match stops the run: nothing of it or after it is copied) and the tasks their
-    match made runnable.
-
-    Per block, the Python loop (digest, compare, :meth:`Schedule.match`, copies) took the GIL three or
-    four times, while the thread planning and locating the load holds it most of the time (each
-    wait for it can last a switch interval, 5 ms); here a run (``TASK_BYTES``) costs one round.
-    Interleaved A/B, this host: an 835 MB warm load 89.0 -> 82.5 ms, a 167 MB one 27.3 -> 25.8 ms.
-
-    Pieces bound for a CUDA tensor are copied by the same call into one pinned buffer (a host copy
-    like the others, right after their block matched), and their device copies are enqueued once
-    it returned, for the blocks that matched only."""
+    """Verify a run of consecutive blocks of one file (not ``whole``) in one C call (:func:`memcopy.verify_copy`, only
+    where :data:`memcopy.VERIFY_COPY`: the GIL taken once per run, not per block), copying each block's pieces right
+    after it matched. Returns how many blocks matched (a mismatch stops the run: nothing of it or after it is copied)
+    and the tasks their match made runnable. CUDA pieces go into one pinned buffer in the same call; their device
+    copies are enqueued afterwards, for matched blocks only."""
     digests = array("Q", [int(b.digest, 16) for b in run])  # 16 hex digits each (Manifest.from_json)
     bs = run[0].end - run[0].start
     claimed = sched.claim(run)
@@ -357,10 +329,9 @@ def balanced(copies: list[Copy], n: int) -> list[list[Copy]]:
 
 
 class Pool:
-    """``n`` threads running tasks by priority (0 first: copies before further digests, so a
-    block is copied while it is still in cache). ``drain`` waits for every task and raises the
-    first error; ``close`` stops the threads, skipping whatever is still queued, and returns
-    only when none runs."""
+    """``n`` threads running tasks by priority (0 first: copies before further digests, while a block is in cache).
+    ``drain`` waits for every task and raises the first error; ``close`` stops the threads, skipping whatever is
+    still queued, and returns only when none runs."""
 
     def __init__(self, n: int) -> None:
         self._q: queue.PriorityQueue = queue.PriorityQueue()
@@ -414,26 +385,15 @@ class Pool:
 
 
 class Streamer:
-    """Brings a cold file into the page cache front to back, so the kernel's sequential readahead
-    streams it at disk speed, ahead of the pool's threads (which fault pages at several places
-    at once: on their own they read it at 0.7-0.8x a raw read). Each chunk goes to ``/dev/null``
-    with ``sendfile``: the kernel reads it into the cache and copies nothing out (6 ms of CPU for
-    167 MB against 28-140 ms for reads into a buffer, CPU the digests and copies need on a small
-    host; for pages already in the cache it costs next to nothing). :meth:`wait_past` waits for
-    it to pass an offset: the reader verifies, locates and copies behind it
-    (``VerifiedReader._locate_behind``); ``streamed`` is set when it is through.
-
-    Given the mapping, it also maps the file's pages into the process — each chunk's right after it
-    came in, a warm file's all at once (``_map_pages``) — so the digests do not take a page fault
-    every 64 KiB: 4 KiB pages cost 14.5 ms of faults per 167 MB here, a third of what hashing and
-    copying them costs, and a warm file's are mapped while the caller still plans the load (the
-    load's data phase: 26.4 -> 20 ms)."""
+    """Brings a cold file into the page cache front to back (``sendfile`` to ``/dev/null``: nothing copied out), so
+    readahead streams it at disk speed ahead of the pool's threads, and maps its pages into the process (a warm
+    file's all at once: ``_map_pages``), so the digests take no page fault every ``FAULT_AROUND``. :meth:`wait_past`
+    waits for it to pass an offset (``VerifiedReader._locate_behind``); ``streamed`` is set when it is through."""
 
     def __init__(self, path: str, size: int, data: Any = None) -> None:
         """``data``: the file mapped, whose pages this thread then maps into the process too."""
         self._path, self._size, self._data = path, size, data
-        # Decided on the caller's thread: each system call made on the streaming thread waits for
-        # the GIL after it, up to 5 ms while the caller plans the load.
+        # Decided here: a system call on the streaming thread waits for the GIL after it while the caller plans.
         self.warm = data is not None and _looks_resident(path, size)
         self.streamed = threading.Event()
         """Set once the file has been read front to back (or the stream stopped or failed)."""
@@ -445,8 +405,8 @@ class Streamer:
 
     @property
     def reached(self) -> int:
-        """How many of the file's first bytes are in the page cache (all, once the stream is over:
-        after a failure the rest is read by whoever touches it)."""
+        """How many of the file's first bytes are in the page cache (all, once the stream is over: after a failure
+        the rest is read by whoever touches it)."""
         return self._size if self.streamed.is_set() else self._reached
 
     def wait_past(self, offset: int, timeout: float | None = None) -> bool:
@@ -470,11 +430,8 @@ class Streamer:
             _map_pages(self._data, self._stop, start=mapped)
 
     def _stream(self) -> int:
-        """Stream the file in; how many of its first bytes have their pages mapped as well.
-
-        Each chunk's pages are mapped right after it came in, while the disk reads the next: the
-        pool's threads verify and copy behind the stream (``VerifiedReader._locate_behind``), and
-        find them mapped."""
+        """Stream the file in, mapping each chunk's pages while the disk reads the next; returns how many of its first
+        bytes have their pages mapped."""
         if self.warm:
             return 0
         try:
@@ -535,8 +492,7 @@ def _null() -> int | None:
 
 
 def _looks_resident(path: str, size: int) -> bool:
-    """Whether the file's first, middle and last bytes are in the page cache (``mincore`` of
-    every page cost ~5 ms per 167 MB here)."""
+    """Whether the file's first, middle and last bytes are in the page cache (``mincore`` of every page costs more)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -551,14 +507,10 @@ def _looks_resident(path: str, size: int) -> bool:
 
 
 def _map_pages(data: Any, stop: threading.Event | None = None, start: int = 0) -> None:
-    """Map every page of ``data`` (a mapped file in the page cache) from ``start`` on into the
-    process: one read a ``FAULT_AROUND`` apart, each fault mapping that many bytes of resident pages.
-
-    Done by torch ops, which run without the GIL; a loop of system calls here would wait up to
-    5 ms for the GIL after each one while the caller plans the load. Not ``MADV_POPULATE_READ``:
-    it holds the process's ``mmap_lock`` for the whole range, and every ``mmap`` meanwhile — any
-    large allocation on any thread — waited for it (15 ms per 167 MB here); faults take only
-    the mapping's own lock."""
+    """Map every page of ``data`` (a mapped file in the page cache) from ``start`` on into the process, one read a
+    ``FAULT_AROUND`` apart, by torch ops (no GIL; a loop of system calls would wait for it after each). Not
+    ``MADV_POPULATE_READ``: it holds the ``mmap_lock`` for the whole range, stalling every large allocation
+    meanwhile; faults take only the mapping's own lock."""
     flat = torch.frombuffer(data, dtype=torch.uint8)
     step = MAP_PIECE // FAULT_AROUND * FAULT_AROUND
     for a in range(start, len(flat), step):  # pieces below torch's parallel grain: one thread each
@@ -568,6 +520,6 @@ def _map_pages(data: Any, stop: threading.Event | None = None, start: int = 0) -
 
 
 def _map_range(flat: torch.Tensor, start: int, length: int) -> None:
-    """Map the (resident) pages of ``flat[start:start + length]`` into the process: one read a
-    ``FAULT_AROUND`` apart, by a torch op (which holds no GIL)."""
+    """Map the (resident) pages of ``flat[start:start + length]`` into the process: one read a ``FAULT_AROUND``
+    apart, by a torch op (which holds no GIL)."""
     flat[start : start + length : FAULT_AROUND].sum()

@@ -1,6 +1,5 @@
-"""The zip container ``torch.save`` writes, read without ``zipfile`` (which would re-check CRCs
-and copy), for the two places that touch it byte by byte: the reader (``reader.py``: where is a
-tensor's data) and the writer (``fastwrite.py``: where are the CRC fields of a template)."""
+"""The zip container ``torch.save`` writes, read without ``zipfile`` (which re-checks CRCs and copies), for the reader
+(where a tensor's data lies) and the writer (``fastwrite.py``: where a template's CRC fields lie)."""
 
 from __future__ import annotations
 
@@ -55,8 +54,8 @@ def end_record(buf: memoryview | bytes) -> bytes:
 
 
 def record(buf: memoryview | bytes, p: int) -> tuple[str, Entry, int]:
-    """The *stored* entry whose central directory record is at ``p``: its name, where its data
-    lies, and where the next record starts; ValueError if there is none such."""
+    """The *stored* entry whose central directory record is at ``p``: its name, where its data lies, and where the
+    next record starts; ValueError if there is none such."""
     # one unpack per record: the reader parses every tensor item's zip
     sig, _v, _n, _f, method, _t, _d, _crc, csize, usize, nlen, xlen, clen, _s, _i, _a, hoff = _CEN.unpack_from(buf, p)
     if sig != CEN:
@@ -88,9 +87,8 @@ def record_end(buf: memoryview | bytes, p: int) -> int:
 
 
 def _end_record(buf: memoryview | bytes) -> int:
-    """Offset of the end-of-central-directory record. ``torch.save`` writes no zip comment, so it
-    is the last 22 bytes: checked first, as the reader does this for every tensor item (copying
-    and scanning the 64 KiB a comment may take cost ~40 us an item)."""
+    """Offset of the end-of-central-directory record; the last 22 bytes are checked first (``torch.save`` writes no
+    zip comment), sparing a scan of the 64 KiB a comment may take for every tensor item."""
     if len(buf) >= 22 and bytes(buf[len(buf) - 22 : len(buf) - 18]) == EOCD:
         return len(buf) - 22
     tail = bytes(buf[max(0, len(buf) - 65557) :])

@@ -1,9 +1,8 @@
-"""DCP's planners, as ckptflow uses them.
+"""DCP's default planners with their hooks overridden; a checkpoint they write or read is plain DCP.
 
-Saving: :func:`canonical_planner` (replicated entries from rank 0; plan caching by layout).
-Loading: :class:`SafeLoadPlanner` (byte items through a restricted unpickler; a tensor whose wanted
-chunk is one saved chunk planned without DCP's resharding sweep). Both are DCP's default planners
-with their hooks overridden; a checkpoint they write or read is plain DCP.
+Saving: :func:`canonical_planner` (replicated entries from rank 0; plan caching by layout). Loading:
+:class:`SafeLoadPlanner` (byte items through a restricted unpickler; a wanted chunk that is one saved chunk planned
+without DCP's resharding sweep).
 """
 
 from __future__ import annotations
@@ -38,22 +37,13 @@ __all__ = ["SafeLoadPlanner", "canonical_planner", "drop_cached_plans", "restric
 
 
 def canonical_planner(cache_key: str | None = None) -> DefaultSavePlanner:
-    """DCP's planner, writing every replicated entry from the lowest rank that has it — rank 0.
+    """DCP's planner, writing every replicated entry from the lowest rank that has it: rank 0.
 
-    DCP's default writes each replicated entry from whichever rank is least loaded, assuming
-    the copies are equal. They are not always: DDP's buffers differ between ranks until the
-    next forward broadcasts rank 0's, and a checkpoint stitched from several ranks (``bn1``
-    from one, ``bn2`` from another) restores a model no rank ever had. Rank 0 is DDP's own
-    canonical rank; what really is per rank goes into each rank's own entry (``state.py``).
-
-    ``cache_key``: reuse the plans of the previous save under that key (DCP's plan caching). A
-    rank whose plan has not changed sends an empty one and the coordinator reuses the global
-    plan, so the plans are not pickled through the gather and scatter at every save: ~28 ms of
-    CPU per save on rank 0 here, an eighth of a save's background CPU (docs/benchmarks.md). A
-    changed plan is still sent and merged. DCP keys its cache (class attributes) by class name;
-    one key per saver keeps two managers in one process apart (:func:`drop_cached_plans`).
-    With a key, the local plan itself is not rebuilt either while the state's layout is the
-    previous save's (:class:`_LayoutCachedPlanner`).
+    DCP's default picks the least loaded rank, assuming replicas are equal; they are not always (DDP's buffers differ
+    until the next forward), and a stitched checkpoint restores a model no rank had. ``cache_key``: reuse the previous
+    save's plans under that key (DCP's plan caching, keyed per saver so two managers stay apart:
+    :func:`drop_cached_plans`); an unchanged layout then also skips rebuilding the local plan
+    (:class:`_LayoutCachedPlanner`).
     """
     if cache_key is None:
         return DefaultSavePlanner(dedup_save_to_lowest_rank=True)
@@ -67,15 +57,9 @@ _LOCAL_LAYOUTS: dict[str, tuple] = {}
 
 
 class _LayoutCachedPlanner(DefaultSavePlanner):
-    """DCP's planner that skips rebuilding an unchanged local plan.
-
-    DCP's plan caching still builds the local plan at every save, to compare it with the cached
-    one: a write item per tensor (for a ``DTensor`` its local shape and global offset, through
-    DTensor's dispatcher), ~50 ms of CPU per save for the small reference model. The plan is a
-    function of the state's layout — keys, tensor types, dtypes, shapes, strides, ``DTensor``
-    placements — which ``staging.layout_of`` compares in ~1 ms. Same layout and role: the cached
-    plan is this save's, and the rank sends the empty plan DCP itself sends for an unchanged one.
-    """
+    """DCP's planner that skips rebuilding an unchanged local plan: DCP's plan caching still builds it each save to
+    compare it, yet it is a function of the state's layout (``staging.layout_of``, far cheaper). Same layout and role:
+    the cached plan is reused, and the rank sends the empty plan DCP sends for an unchanged one."""
 
     def create_local_plan(self) -> SavePlan:
         key = plan_cache_key(self)
@@ -83,8 +67,7 @@ class _LayoutCachedPlanner(DefaultSavePlanner):
         seen = (here, self.is_coordinator) if here is not None else None
         cached = cached_local_plan(self)
         known = _LOCAL_LAYOUTS.get(key)
-        # The cached plan object itself must be the one made from this layout: DCP caches a plan
-        # only once its save's global plan succeeded, so after a failed save they can differ.
+        # The cached plan must be the one made from this layout: DCP caches it only once a save's global plan succeeded.
         if seen is not None and cached is not None and known is not None and known[0] == seen and known[1] is cached:
             self.plan = cached
             return SavePlan([], usable=False)
@@ -105,13 +88,12 @@ def drop_cached_plans(cache_key: str) -> None:
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's planner, but byte items come back through PyTorch's restricted loader, and a tensor
-    whose wanted chunk is exactly one saved chunk is planned without DCP's resharding sweep."""
+    """DCP's planner, but byte items come back through a restricted loader, and a tensor whose wanted chunk is
+    exactly one saved chunk is planned without DCP's resharding sweep."""
 
     def set_up_planner(self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
-        """DCP's, without the two passes that change nothing for a state dict without meta tensors
-        or ShardedTensors (materialising meta tensors; splitting ShardedTensors into their local
-        shards: a rebuilt copy of the same dict otherwise, ~2 ms of a 309-item load here)."""
+        """DCP's, minus the two passes that change nothing without meta tensors or ShardedTensors (materialising meta
+        tensors; splitting ShardedTensors, which otherwise rebuilds a copy of the same dict)."""
         if not _plain_tree(state_dict):
             super().set_up_planner(state_dict, metadata, is_coordinator)
             return
@@ -123,10 +105,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> LoadPlan:
-        """DCP's plan, item for item. Its general path costs ~15 us an item (chunk lists, sweep,
-        overlap regions: 4.5 ms of a 309-item load here); at the saving world size every tensor
-        is one saved chunk, planned here in a dictionary look-up. Anything else — another
-        sharding, a key only pre-2.4 naming has — goes through DCP's own code."""
+        """DCP's plan, item for item; a tensor that is one saved chunk (every one at the saving world size) is planned
+        by a look-up instead of DCP's general path (~15 us an item); anything else goes through DCP's own code."""
         assert self.metadata is not None
         saved = self.metadata.state_dict_metadata
         if any(fqn not in saved for fqn in self.state_dict):
@@ -166,9 +146,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 def restricted_load(f: Any, **kw: Any) -> Any:
-    """``torch.load(f, weights_only=True)``, PyTorch's restricted unpickler, with numpy's array
-    rebuilders allowed (RNG states are arrays: ckptflow's before state layout 2, Hugging Face's
-    ``rng_state.pth``); anything else a pickle would build is refused."""
+    """``torch.load(f, weights_only=True)`` with numpy's array rebuilders allowed (RNG states are arrays: ckptflow's
+    before state layout 2, Hugging Face's ``rng_state.pth``); anything else a pickle would build is refused."""
     import numpy as np
 
     allowed: list[Any] = [np.dtype, np.ndarray]
@@ -183,9 +162,8 @@ def restricted_load(f: Any, **kw: Any) -> Any:
 
 
 def _whole_chunk_reads(fqn: str, md: TensorStorageMetadata, obj: Any) -> list[ReadItem]:
-    """The reads of ``obj`` (a tensor or DTensor) if each of its local chunks is exactly one saved
-    chunk (what DCP's sweep would return for it), or it is a whole plain tensor the saved chunks
-    lie in (saved sharded, loaded whole), else [] for the general path."""
+    """The reads of ``obj`` (a tensor or DTensor) if each of its local chunks is exactly one saved chunk (what DCP's
+    sweep would return), or it is a whole plain tensor the saved chunks lie in; else [] for the general path."""
     if type(obj) is torch.Tensor and len(md.chunks) == 1:  # the common case, without chunk objects
         c = md.chunks[0]
         if c.sizes == md.size and not any(c.offsets) and all(c.sizes):
@@ -201,8 +179,7 @@ def _whole_chunk_reads(fqn: str, md: TensorStorageMetadata, obj: Any) -> list[Re
             ]
     if type(obj) is torch.Tensor and len(md.chunks) > 1:
         return _whole_tensor_reads(fqn, md)
-    # Saved chunks do not overlap (DCP's save writes each region from one rank), so a local chunk
-    # equal to a saved one is read from it alone, as the sweep would find.
+    # Saved chunks do not overlap, so a local chunk equal to a saved one is read from it alone (as the sweep finds).
     local = _create_chunk_list(obj)
     where = {(tuple(c.offsets), tuple(c.sizes)): i for i, c in enumerate(md.chunks)}
     out = []
@@ -225,11 +202,9 @@ def _whole_chunk_reads(fqn: str, md: TensorStorageMetadata, obj: Any) -> list[Re
 
 
 def _whole_tensor_reads(fqn: str, md: TensorStorageMetadata) -> list[ReadItem]:
-    """The reads of a whole plain tensor of size ``md.size`` from its saved chunks (a checkpoint
-    saved sharded, loaded by fewer ranks): each non-empty chunk read whole into its own place —
-    the items DCP's sweep returns, in its order (by the chunks' ends along its sweep dimension,
-    then their index) — or [] (DCP's general path) for a chunk that is not inside the tensor.
-    DCP's sweep and overlap regions cost ~15 us an item; a 2 -> 1 load of 167 MB has ~600."""
+    """The reads of a whole plain tensor of size ``md.size`` from its saved chunks (saved sharded, loaded by fewer
+    ranks): each non-empty chunk read whole into its place, as DCP's sweep returns them and in its order (chunk end
+    along the sweep dimension, then index), without its cost; [] (general path) for a chunk outside the tensor."""
     size = tuple(md.size)
     nd = len(size)
     if not nd:

@@ -1,46 +1,21 @@
 """Loading a DCP checkpoint at disk speed, every byte verified in the same read, nothing unpickled.
 
-DCP's ``FileSystemReader`` unpickles ``.metadata`` with plain ``pickle`` (an edited file runs
-code) and ``torch.load``s every item (about 1 ms each, plus a copy), after ckptflow has read
-every byte once already to verify it. :class:`VerifiedReader` reads the same files — they
-stay standard DCP, vanilla PyTorch still reads them — differently:
+:class:`VerifiedReader` replaces DCP's ``FileSystemReader`` (which unpickles); the files stay standard DCP.
 
-* ``.metadata``: read, its size and xxh3 checked against the manifest, then parsed by the
-  restricted reader of ``trainer/format/dcpmeta.py`` (an allow-list of DCP's own classes);
-* data files: mapped, and verified block by block against the block digests the manifest
-  records (``trainer/dcp/_verifiedcopy.py``), on every core; each block's bytes are copied to their
-  destination tensors as soon as that block matched, while they are in cache — never before.
-  A block that does not match fails the load (on every rank: ``loader.load_local`` agrees on
-  the outcome; resume falls back to an older checkpoint, as for a bad checksum, and that load
-  overwrites every destination). Files
-  listed without block digests (older manifests) are verified whole, then copied;
-* tensor items (each a ``torch.save`` zip): located in the zip without unpickling
-  (``trainer/dcp/_tensoritem.py``; items laid out like one already seen in this load from its
-  layout, checked), copied byte range by byte range where saved and wanted layouts
-  line up, else through a view narrowed to the wanted chunk (resharding);
-* byte items (plain Python values DCP keeps as ``torch.save`` pickles, such as an optimizer's
-  learning rates): an unpickler that builds plain values only (``tensoritem.plain_item``); what
-  it refuses goes to ``torch.load(weights_only=True)``, PyTorch's own restricted loader, with
-  numpy's array rebuilders allowed for checkpoints written before state layout 2.
+* ``.metadata``: size and xxh3 checked against the manifest, then parsed by ``trainer/format/dcpmeta.py``'s allow-list.
+* data files: mapped and verified block by block against the manifest's digests on every core (``_verifiedcopy.py``);
+  each block's bytes reach their destinations right after it matched, never before. A mismatch fails the load on
+  every rank (``loader.load_local``), destinations partly written (the fallback load overwrites them all). Files
+  without block digests (older manifests) are verified whole first.
+* tensor items: located in their ``torch.save`` zip without unpickling (``_tensoritem.py``), copied by byte range, or
+  through a narrowed view when resharding. Byte items: a plain-values unpickler, else ``torch.load(weights_only=True)``
+  with numpy's array rebuilders (checkpoints before state layout 2).
+* CUDA destinations: staged in pinned memory, copied asynchronously (``devicecopy.py``), waited for before returning.
 
-Copies of host memory use streaming stores (``trainer/memcopy.py``): the model's bytes are not
-read again soon, and a plain ``memmove`` first reads every destination line into the cache. Bytes
-bound for a CUDA tensor are staged in pinned memory and copied asynchronously
-(``trainer/devicecopy.py``); the load waits for those copies before it returns or raises.
-
-Warm files are verified, located and copied as cold files streamed first are (below), their
-stream over at once: the threads start on the first blocks while the items are located in batches.
-
-Cold files: each is brought into the page cache front to back by a streaming thread
-(``verifiedcopy.Streamer``, ``sendfile`` to ``/dev/null``) so the disk sees one sequential
-stream; its blocks are verified and its items located and copied behind the stream as it
-passes them (``VerifiedReader._locate_behind``), or, for a file too large for that, its items
-are located from the pages holding their zip records, asked for all at once
-(``VerifiedReader._ask_for_records``). The same thread maps the file's pages into the process,
-so the digests take no page fault every 64 KiB (for a warm file that is all it does). At the
-saving world size all of this starts for the rank's own files before ``.metadata`` is read, and
-runs while the load is planned (``prefetch``). The mappings are closed on a thread of their own
-once the load is done (:meth:`VerifiedReader.unmap`).
+Each file is streamed into the page cache front to back, its pages mapped, by ``verifiedcopy.Streamer``; blocks are
+verified and items located behind the stream (``_locate_behind``), or, for a cold file too large for that, from its
+zip record pages asked for at once (``_ask_for_records``). At the saving world size this starts for the rank's own
+files before ``.metadata`` is read (``prefetch``).
 """
 
 from __future__ import annotations
@@ -94,13 +69,11 @@ __all__ = ["THREADS", "VerifiedReader"]
 
 RECORD_PAGE = 8192  # the zip records of a tensor item lie in its first and last few KiB
 THREADS = 4
-"""The pool that verifies and copies (2 or 3 on 2 cores measured the same)."""
+"""Threads of the pool that verifies and copies."""
 STREAM_FIRST_OF_MEMORY = 0.5
-"""Cold files up to this share of the available memory are streamed in, their items located
-behind the stream (``VerifiedReader._ask_for_records``)."""
+"""Cold files up to this share of available memory have items located behind their stream (``_ask_for_records``)."""
 LOCATE_BATCH = 64
-"""Items located per batch behind a stream: each batch's copies are scheduled before the next is
-located, so the threads verifying the first blocks find their copies waiting."""
+"""Items located per batch behind a stream; each batch's copies are scheduled before the next is located."""
 WAKE_SECONDS = 0.05
 """How often a thread waiting for a stream looks whether the load stopped meanwhile."""
 
@@ -112,9 +85,8 @@ class VerifiedReader(FileSystemReader):
     """A ``StorageReader`` for one local checkpoint directory and its (authenticated) manifest."""
 
     def __init__(self, path: str, manifest: Manifest, *, threads: int = THREADS, prefetch: Iterable[str] = ()) -> None:
-        """``prefetch``: files this rank will most likely read (its own, when loading at the
-        saving world size): mapped by ``read_metadata``, their first window asked of the disk while
-        DCP plans the load. Call :meth:`close` when done."""
+        """``prefetch``: files this rank will most likely read (its own, at the saving world size), mapped by
+        ``read_metadata`` and streamed in while DCP plans the load. Call :meth:`close` when done."""
         super().__init__(path)
         self.ckpt_dir = os.fspath(path)
         self.manifest = manifest
@@ -139,9 +111,8 @@ class VerifiedReader(FileSystemReader):
         self._stream_of.clear()
 
     def unmap(self) -> None:
-        """Unmap the files, on a thread of their own: the kernel drops one page-table entry per
-        4 KiB page, 8 ms for a 167 MB load here, and ``munmap`` runs without the GIL, so another
-        core does it while the caller applies the loaded state. Call after :meth:`close`."""
+        """Unmap the files on a thread of their own (``munmap`` is slow and runs without the GIL, so another core does
+        it while the caller applies the loaded state). Call after :meth:`close`."""
         maps = [m for m in self._maps.values() if isinstance(m, mmap.mmap)]
         self._maps.clear()
         if maps:
@@ -150,8 +121,7 @@ class VerifiedReader(FileSystemReader):
     # -- StorageReader ------------------------------------------------------------------
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._md is None:
-            # The rank's own files first: their pages are mapped (or streamed from disk) on other
-            # threads while this one parses .metadata and the load is planned.
+            # The rank's own files first: they stream in on other threads while this one parses and plans.
             for name in self._prefetch:
                 try:
                     self._mapped(name)
@@ -163,17 +133,9 @@ class VerifiedReader(FileSystemReader):
         return self._md
 
     def _ask_for_records(self, names: Iterable[str]) -> None:
-        """Get the pages holding each item's zip records (its first and last page) before the
-        items are located, for the cold files among ``names``, one of two ways.
-
-        If they fit in the page cache with room to spare (``STREAM_FIRST_OF_MEMORY``), each item
-        is located once the stream has passed it (``_locate_behind``): the disk sees one
-        sequential read. Asking for the record pages instead is two small reads an item,
-        all over the file, beside the stream: a cold 167 MB load took 135 ms that way against
-        111 ms (raw read: 91 ms), a cold 835 MB one 780 against 547 ms (raw: 527 ms).
-        Otherwise (a file the cache could not hold whole until its digests run) the record
-        pages are asked for all at once, so locating reads no cold page one fault at a time
-        (a cold medium load spent ~0.45 s there)."""
+        """For the cold files among ``names``, get the pages holding each item's zip records before it is located:
+        behind the stream (``_locate_behind``: one sequential read) if they fit in the page cache with room to spare
+        (``STREAM_FIRST_OF_MEMORY``), else every item's first and last page asked for at once."""
         assert self._md is not None
         wanted = {n for n in names if n in self._maps and n not in self._warm}
         if not wanted:
@@ -189,8 +151,7 @@ class VerifiedReader(FileSystemReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         t0 = time.perf_counter()
-        # Each item's record looked up once: a MetadataIndex key hashes and compares in Python
-        # (~0.4 us a look-up; looked up again at each step, they were ~2100 a 309-item load).
+        # Each item's record looked up once: a MetadataIndex key hashes and compares in Python.
         per_file: dict[str, list[Item]] = {}
         records = self.storage_data
         for req in plan.items:
@@ -201,10 +162,8 @@ class VerifiedReader(FileSystemReader):
         self._ask_for_records(set(names) - set(self._prefetch))
         blocks = {name: blocks_of(name, self._entry(name), len(maps[name])) for name in names}
         every = [b for name in names for b in blocks[name]]
-        # Cold files streaming in are verified, located and copied behind their stream; so are warm
-        # files, whose stream is over at once: the threads start on their first blocks while this
-        # thread locates their items in batches (an 835 MB load: 73.8 -> 68.3 ms). The rest (cold
-        # files too large to stream first) is located first, then verified block after block.
+        # Streamed and warm files are located behind their stream, while the threads verify their first blocks;
+        # the rest (cold files too large to stream first) is located first, then verified.
         along = self._stream_first | self._warm
         behind = {n: st for n in names if n in along and (st := self._stream_of.get(n)) is not None}
         locator, resolve = Locator(), _Targets(planner)
@@ -223,9 +182,8 @@ class VerifiedReader(FileSystemReader):
                 raise
             sched = Schedule(every, maps, self.threads)
             sched.add(copies)  # nothing has matched yet: every copy waits for its blocks
-            # The threads verify block after block (xxhash releases the GIL), copy each block's
-            # pieces right after it matched and queue what that match made runnable; this thread
-            # only waits (waking it per block cost the threads the GIL ~170 times a load).
+            # The threads verify, copy each block's pieces once it matched and queue what that made runnable;
+            # this thread only waits (waking it per block would take the GIL from the threads).
             for name in names:
                 self._submit(maps[name], blocks[name], sched, behind.get(name))
             try:
@@ -262,10 +220,9 @@ class VerifiedReader(FileSystemReader):
             self._threads().submit(1, functools.partial(self._verify_run, data, run, sched, stream))
 
     def _verify_run(self, data: Any, run: list[Block], sched: Schedule | None, stream: Streamer | None) -> None:
-        """Verify consecutive blocks, copying each one's pieces right after it matched and queueing
-        the copies that match made runnable. A block that does not match raises: the pool stops,
-        and ``drain`` raises it on the caller's thread. ``stream``: the file is streaming in, and
-        the run is verified once it is in (not faulted in beside the stream, nor asked for twice)."""
+        """Verify consecutive blocks, copying each one's pieces right after it matched and queueing what that made
+        runnable. A mismatch raises: the pool stops and ``drain`` re-raises it on the caller's thread. ``stream``:
+        the file is streaming in, and the run waits until it is in (not faulted in beside the stream)."""
         pool = self._threads()
         if stream is None:
             readahead(data, run[0].start + READAHEAD, run[-1].end - run[0].start)
@@ -307,10 +264,8 @@ class VerifiedReader(FileSystemReader):
         locator: Locator,
         resolve: Callable[[ReadItem], torch.Tensor],
     ) -> tuple[list[Copy], list[tuple[ReadItem, bytes]]]:
-        """:meth:`_locate` the items of a file streaming in, as the stream passes their ends (their
-        zip records are in its first and last bytes), and schedule their copies at once: those
-        whose blocks matched already run now. A cold 2.6 GB load did this after its stream before:
-        its digests and copies (0.6 s) ran after the disk was done (1.3 s)."""
+        """:meth:`_locate` the items of a file streaming in as the stream passes their ends (their zip records are in
+        their first and last bytes), and schedule their copies at once: those whose blocks matched run now."""
         todo = sorted(items, key=lambda it: it[1].offset + it[1].length)
         ends = [info.offset + info.length for _, info in todo]
         copies: list[Copy] = []
@@ -339,8 +294,8 @@ class VerifiedReader(FileSystemReader):
         locator: Locator,
         resolve: Callable[[ReadItem], torch.Tensor],
     ) -> tuple[list[Copy], list[tuple[ReadItem, bytes]]]:
-        """Where each wanted item's bytes lie in its file and where they go (nothing read beyond the
-        items' small zip records), or the bytes themselves for byte items (copied once verified)."""
+        """Where each wanted item's bytes lie in its file and where they go (only the zip records are read), or the
+        bytes themselves for byte items."""
         copies: list[Copy] = []
         byte_items: list[tuple[ReadItem, bytes]] = []
         for name, items in per_file.items():
@@ -420,8 +375,8 @@ class VerifiedReader(FileSystemReader):
         return os.path.join(self.ckpt_dir, name)
 
     def _map(self, name: str, limit: int | None = None) -> Any:
-        """The file's bytes — mapped, not copied: the digests and the copies read the page cache
-        directly, and no fresh buffer is allocated and faulted in — its size checked, not yet its digest."""
+        """The file's bytes, mapped (digests and copies read the page cache directly, no buffer is allocated), its
+        size checked, not yet its digest."""
         entry = self._entry(name)
         path = resolve_member(self.ckpt_dir, name)
         if limit is not None and entry.size > limit:
@@ -448,11 +403,9 @@ class VerifiedReader(FileSystemReader):
 
 
 def _run_start(ti: TensorItem, offsets: Any, lengths: Any) -> int | None:
-    """The first element (from the item's storage offset) of the region ``offsets`` + ``lengths``
-    of a contiguous saved tensor, if that region is one run of its bytes: every dimension before
-    one has length 1 and every one after it is whole (rows of a matrix, the shard of a tensor
-    split along its first dimension). None if it is not, or does not lie inside the tensor
-    (``narrow`` then says so)."""
+    """The first element (from the storage offset) of region ``offsets`` + ``lengths`` of a contiguous saved tensor,
+    if it is one run of bytes (dimensions before one have length 1, those after it are whole: rows, a first-dim
+    shard); None if not, or if it does not lie inside the tensor (``narrow`` then says so)."""
     size = ti.size
     if len(offsets) != len(size) or len(lengths) != len(size):
         return None
@@ -467,17 +420,9 @@ def _run_start(ti: TensorItem, offsets: Any, lengths: Any) -> int | None:
 
 
 class _Targets:
-    """``planner.resolve_tensor``, detached: where each read's bytes go.
-
-    Looked up directly where the planner resolves as DCP's default does: a dictionary look-up
-    instead of DCP's ``find`` and ``narrow`` helpers (~3 us an item), a DTensor's local shard
-    taken as it is (not through ``to_local()``, an autograd function), a region of a tensor (a
-    load at another world size) narrowed from the detached tensor (no autograd node an item).
-
-    A narrow, like most torch calls, lets go of the GIL and must take it back from the load's
-    threads: made while they verify and copy, each took ~70 us here against ~11 us before
-    they start (a 2 -> 1 load of 167 MB narrows ~600 regions). :meth:`prepare` makes them
-    before, for the reads that need them; a whole tensor is only looked up, whenever."""
+    """``planner.resolve_tensor``, detached: where each read's bytes go; a dictionary look-up (no ``to_local()``,
+    no autograd node) where the planner resolves as DCP's default does. :meth:`prepare` makes the narrows before the
+    load's threads start, since a torch call made while they run must win the GIL back from them."""
 
     def __init__(self, planner: LoadPlanner) -> None:
         self._planner = planner
@@ -486,15 +431,14 @@ class _Targets:
             getattr(type(planner), n) is getattr(DefaultLoadPlanner, n)
             for n in ("resolve_tensor", "lookup_tensor", "transform_tensor")
         )
-        # Empty unless the planner resolves as DCP's default does: every look-up then finds nothing,
-        # and each read goes through the planner's own resolve_tensor.
+        # Empty unless the planner resolves as DCP's default: each read then goes through its own resolve_tensor.
         self._state: Mapping[str, Any] = (
             planner.state_dict if direct and isinstance(planner, DefaultLoadPlanner) else {}
         )
 
     def prepare(self, reqs: Iterable[ReadItem]) -> None:
-        """Resolve now (before the load's threads start) each tensor read in ``reqs`` that is not a
-        whole plain tensor; the others are looked up as they are located."""
+        """Resolve now (before the load's threads start) each tensor read in ``reqs`` that is not a whole plain
+        tensor; the others are looked up as they are located."""
         for req in reqs:
             if req.type != LoadItemType.BYTE_IO and self._whole(req) is None:
                 self._early[id(req)] = self._resolve(req)
@@ -507,8 +451,8 @@ class _Targets:
         return early if early is not None else self._resolve(req)
 
     def _whole(self, req: ReadItem) -> torch.Tensor | None:
-        """The destination if it is a whole plain tensor (or DTensor shard) and the planner DCP's
-        default, by a look-up (no torch call, none that waits for the GIL); None otherwise."""
+        """The destination if it is a whole plain tensor (or DTensor shard) and the planner DCP's default, by a
+        look-up (no torch call that waits for the GIL); None otherwise."""
         obj = self._local(req)
         if obj is None or any(req.dest_offsets) or tuple(req.lengths) != tuple(obj.shape):
             return None

@@ -1,23 +1,10 @@
 """Staging that reuses the previous save's staged tree when the state's layout has not changed.
 
-DCP's ``StateDictStager`` already keeps each tensor's CPU buffer between saves (keyed by the live
-storage), so the bytes are copied into memory that exists. What it repeats at every save is the
-deep copy around them: per tensor a ``new_empty`` and a ``set_`` (for a ``DTensor`` both go
-through DTensor's dispatcher), per container a copy. Measured on the small reference model (300
-tensors, 83 MB per rank, FSDP2): the staging thread took ~70 ms of CPU per save, of which the
-copies were 16 ms (docs/benchmarks.md, "Trainer").
-
-So after a save staged by DCP, this stager pairs every tensor of the live state with its staged
-twin (same path in both trees) and records the layout: the tree's shape, every tensor's type,
-dtype, shape, stride, offset, storage size, ``DTensor`` placements, and which tensors share a
-storage. A later save whose state has the same layout is staged by copying each live storage
-into its twin's (once per storage) and rebuilding only the containers around them, which take
-this save's non-tensor leaves (immutable scalars only: a learning rate changes between saves).
-The live tensors may be new objects (a ``state_dict()`` call builds new ones; a rank's state
-entry is a new tensor each save): only the layout has to match, and the copy makes the values.
-
-Anything else — a different layout, a container that is not a dict, list or tuple, a tensor that
-could not be paired — is staged by DCP as before, and becomes the new reference.
+DCP's ``StateDictStager`` keeps each tensor's CPU buffer between saves but redoes the deep copy around them (per
+tensor a ``new_empty`` and ``set_``, through DTensor's dispatcher). After a DCP-staged save each live tensor is paired
+with its staged twin (same path) and the layout recorded (:func:`layout_of`, shared storages included); a later save
+with that layout (its tensors may be new objects) copies each live storage into its twin's once and rebuilds only
+the containers, with this save's immutable scalars. Anything else is staged by DCP and becomes the new reference.
 """
 
 from __future__ import annotations
@@ -63,8 +50,8 @@ def _tensor_layout(t: torch.Tensor) -> tuple:
 
 
 def _walk(tree: Any, out: list, path: tuple = ()) -> Any:
-    """Append ``(path, tensor)`` for every tensor leaf; return the tree's shape (containers,
-    keys, leaf kinds) as a hashable value."""
+    """Append ``(path, tensor)`` for every tensor leaf; return the tree's shape (containers, keys, leaf kinds) as a
+    hashable value."""
     if isinstance(tree, torch.Tensor):
         out.append((path, tree))
         return "T"
@@ -95,8 +82,8 @@ def _signature(tree: Any) -> tuple[tuple, list[tuple[tuple, torch.Tensor]]]:
 
 
 def layout_of(tree: Any) -> tuple | None:
-    """The layout ``ReusingStateDictStager`` compares (hashable), or None for a tree it does not
-    cover. Two trees with one layout get the same DCP save plan (``dcp.planner.canonical_planner``)."""
+    """The layout ``ReusingStateDictStager`` compares (hashable), or None for a tree it does not cover. Two trees with
+    one layout get the same DCP save plan (``dcp.planner.canonical_planner``)."""
     try:
         return _signature(tree)[0]
     except _NotReusable:

@@ -1,32 +1,24 @@
 """DCP's data files written without a ``torch.save`` per tensor, each file hashed as it is written.
 
-DCP's ``FileSystemWriter`` serialises every tensor with ``torch.save`` into the file: per item
-a pickle and zip bookkeeping (~0.3 ms), and miniz's CRC-32 of every byte (~1.4 GB/s here).
-For the small reference model's 311 tensors (83 MB per rank) that is ~195 ms of CPU against
-~43 ms to write the same bytes raw, and then the commit thread reads every byte again to hash
-it (~15 ms). On a host whose cores training already fills (2 ranks, 2 cores) every one of
-those CPU-ms is taken from training (docs/benchmarks.md, "Persist").
+DCP's ``FileSystemWriter`` runs ``torch.save`` per tensor (a pickle, zip bookkeeping and miniz's slow CRC-32 of
+every byte), and the commit then reads every byte again to hash it; on a host whose cores training fills, all
+that CPU is taken from training (docs/benchmarks.md, "Persist").
 
-What the files hold does not change. The container ``torch.save`` makes for a plain tensor
-depends on the tensor's bytes in three places only: the data record itself, that record's
-CRC-32 (in the data descriptor miniz writes after it, and in its central directory entry),
-and the ``.data/serialization_id`` record, an identifier torch only logs. So the first time a
-tensor of a given layout (dtype, shape, stride, offset, storage size) is saved, ``torch.save``
-writes it once into memory under ``torch.serialization.skip_data()`` (thread-local: the data
-is left as a gap), and the bytes before and after the gap become that layout's template.
-Every later save writes the template's head, the data straight from the tensor's memory and
-the template's tail, with the CRC-32 computed by ISA-L (``isal``, ~8 GB/s here; zlib's ~2 GB/s
-where it is missing) and patched in. The
-result is ``torch.save``'s own container, a valid zip (every CRC right), read by vanilla
-``torch.load``, ``dcp.load`` and ``dcp_to_torch_save``; byte for byte it differs from what
-``torch.save`` would write only in the serialization id, which is that of the layout's first
-save (tests/integration/test_fastwrite.py checks both).
+What the files hold does not change. ``torch.save``'s container for a plain tensor depends on its bytes in three
+places only: the data record, that record's CRC-32 (in miniz's data descriptor after it and in its central
+directory entry), and the ``.data/serialization_id`` record, an identifier torch only logs. So the first save of a
+layout (dtype, shape, stride, offset, storage size) runs ``torch.save`` into memory under
+``torch.serialization.skip_data()`` (thread-local: the data is left as a gap), and the bytes before and after the
+gap become that layout's template. Later saves write the template's head, the data straight from the tensor's
+memory and the template's tail, with the CRC-32 computed by ISA-L (``isal``; zlib where it is missing) patched in.
+The result is ``torch.save``'s own container, a valid zip read by vanilla ``torch.load``, ``dcp.load`` and
+``dcp_to_torch_save``, differing from ``torch.save``'s bytes only in the serialization id, that of the layout's
+first save (tests/integration/test_fastwrite.py checks both).
 
-Each file's xxh3 is computed from the same buffers as they are written, so the commit thread
-takes the digest from here instead of reading the file back (``AsyncSaver._gather_entries``).
-Anything the template path does not cover — a tensor subclass, a
-tensor with Python attributes or hooks, a stream transform extension — is written by
-``torch.save`` exactly as DCP would, through the same hashing stream.
+Each file's xxh3 is computed from the same buffers as they are written, so the commit takes the digest from here
+instead of reading the file back (``AsyncSaver._gather_entries``). What templates do not cover (a tensor subclass,
+a tensor with Python attributes or hooks, a stream transform extension) is written by ``torch.save`` exactly as
+DCP would, through the same hashing stream.
 """
 
 from __future__ import annotations
@@ -54,13 +46,12 @@ from torch.futures import Future
 
 from ckptflow.trainer._torch_private import _StorageInfo, local_tensor
 from ckptflow.trainer.dcp import _zipfmt as zipfmt
-from ckptflow.trainer.dcp._directio import DirectFile
 from ckptflow.trainer.format.checksum import FileDigest, block_size_for
 
 __all__ = ["HashingStream", "HashingWriter", "storage_bytes", "template", "write_tensor"]
 
 
-try:  # the same CRC-32 as zlib's, with carry-less multiplication: ~4x faster here
+try:  # the same CRC-32 as zlib's, faster (carry-less multiplication)
     from isal.isal_zlib import crc32 as _crc32
 except ImportError:  # pragma: no cover - a platform without isal's wheels
     _crc32 = zlib.crc32
@@ -155,8 +146,7 @@ def storage_bytes(t: torch.Tensor) -> memoryview:
 
 
 class HashingStream:
-    """A write-only file wrapper: the file's digest and its blocks' (``FileDigest``), and the
-    position, as the bytes go out."""
+    """Write-only file wrapper tracking the file's digest and its blocks' (``FileDigest``), and the position."""
 
     def __init__(self, raw: Any, expected_bytes: int = 0) -> None:
         self.raw = raw
@@ -181,8 +171,7 @@ class HashingStream:
 
 
 def write_tensor(out: HashingStream, t: torch.Tensor) -> bool:
-    """Append ``t`` as ``torch.save`` would (its CRC-32 included); True if through a template,
-    False if by ``torch.save``."""
+    """Append ``t`` as ``torch.save`` would (CRC-32 included); True if via a template, False if via ``torch.save``."""
     tpl = template(t)
     if tpl is None:
         torch.save(t, cast(IO[bytes], out))  # it only calls write/flush/tell
@@ -201,15 +190,11 @@ def write_tensor(out: HashingStream, t: torch.Tensor) -> bool:
 
 
 class HashingWriter(FileSystemWriter):
-    """DCP's ``FileSystemWriter`` (same files, same names, same metadata), writing tensors from
-    templates and recording each data file's ``(xxh3, size)`` in ``digests``."""
+    """DCP's ``FileSystemWriter`` (same files, names and metadata), writing tensors from templates and recording
+    each data file's ``(xxh3, size)`` in ``digests``."""
 
-    def __init__(self, path: str | os.PathLike, *, direct_io: bool = False, **kw: Any) -> None:
+    def __init__(self, path: str | os.PathLike, **kw: Any) -> None:
         super().__init__(path, **kw)
-        self.direct_io = direct_io
-        """Write the data files past the page cache (``_directio.py``); buffered where unsupported."""
-        self.files_direct = 0
-        """How many data files were written direct (tests, benchmarks)."""
         self.digests: dict[str, FileDigest] = {}
         self.items_templated = 0
         self.items_saved = 0
@@ -226,11 +211,9 @@ class HashingWriter(FileSystemWriter):
         super().finish(metadata, results)
 
     def referenced(self, metadata: Metadata) -> set[str]:
-        """Every data file ``metadata`` (what ``dcp.save`` returned) references: from its
-        ``storage_data``, or where that is missing from the write results this writer saw —
-        the coordinator's (every rank's, at ``finish``), another rank's own. torch 2.11's
-        ``FileSystemWriter.finish`` fills ``storage_data`` into a copy of the metadata, so
-        ``dcp.save`` returns it without."""
+        """Every data file ``metadata`` (what ``dcp.save`` returned) references: from its ``storage_data``, else from
+        the write results this writer saw (the coordinator's: every rank's, at ``finish``; another rank's: its own).
+        Needed as torch 2.11's ``FileSystemWriter.finish`` fills ``storage_data`` into a copy of the metadata."""
         if metadata.storage_data is not None:
             return {sd.relative_path for sd in metadata.storage_data.values()}
         return set(self._all_written if self._all_written is not None else self._written)
@@ -253,7 +236,7 @@ class HashingWriter(FileSystemWriter):
     def _write_file(self, planner: SavePlanner, path: Any, storage_key: str, items: list[WriteItem]) -> list:
         results: list[WriteResult] = []
         templated = 0
-        with DirectFile(path) if self.direct_io else self.fs.create_stream(path, "wb") as raw:
+        with self.fs.create_stream(path, "wb") as raw:
             out = HashingStream(raw, sum(_nbytes(w) for w in items))
             for wi in (w for w in items if w.type == WriteItemType.BYTE_IO):
                 data = cast(io.BytesIO, planner.resolve_data(wi))
@@ -268,16 +251,10 @@ class HashingWriter(FileSystemWriter):
                 off = out.tell()
                 templated += write_tensor(out, t)
                 results.append(_result(wi, storage_key, off, out.tell() - off))
-            if isinstance(raw, DirectFile):
-                raw.finish()  # the padded tail, and the file cut to its size
-                direct = raw.direct
-            else:
-                raw.flush()
-                direct = False
+            raw.flush()
             if self.sync_files:
-                os.fsync(raw.fileno())  # direct or not: the file's size and extents
+                os.fsync(raw.fileno())
         with _count_lock:  # files are written by several threads
-            self.files_direct += direct
             self.digests[storage_key] = out.hasher
             self.items_templated += templated
             self.items_saved += sum(w.type != WriteItemType.BYTE_IO for w in items) - templated
@@ -285,11 +262,9 @@ class HashingWriter(FileSystemWriter):
 
 
 def _resolver(planner: SavePlanner) -> Callable[[WriteItem], torch.Tensor]:
-    """``planner.resolve_data`` for tensor items. For DCP's default planner (unless a subclass
-    changed how it looks items up), a ``DTensor``'s local shard is taken as it is instead of
-    through ``to_local()``, an autograd function: DCP's look-up took 10-14 ms of each save's CPU
-    on rank 0 for the small model (335 items), 3-4 ms this way. Anything else goes through the
-    planner."""
+    """``planner.resolve_data`` for tensor items. For DCP's default planner (look-up not overridden), a ``DTensor``'s
+    local shard is taken as it is, not through ``to_local()``, an autograd function that costs CPU on every save
+    (docs/benchmarks.md). Anything else goes through the planner."""
     names = ("resolve_data", "lookup_object", "transform_object")
     if not isinstance(planner, DefaultSavePlanner) or any(
         getattr(type(planner), n) is not getattr(DefaultSavePlanner, n) for n in names

@@ -1,24 +1,21 @@
 """How a checkpoint becomes trusted on one kind of storage, and stops being trusted.
 
-One rule per kind of tier, behind one interface (after Orbax's ``atomicity`` module), and
-the one definition of "committed" that the trainer (commit, resume), the tiers (``ls``,
-prune, restore, drills), promote and archive all ask:
+One rule per kind of tier behind one interface (after Orbax's ``atomicity``): the one definition of
+"committed" that the trainer (commit, resume), the tiers (``ls``, prune, restore, drills), promote and archive
+all ask.
 
-* :class:`RenameCommit` — file systems (hot, warm). Files are written into
-  ``step_N.tmp/``; renaming it to ``step_N/`` is the commit point (atomic within a file
-  system; the parent is fsynced so it is durable too). **Committed = a ``step_N``
-  directory.** A missing or bad manifest inside one is damage, reported by whoever
-  verifies it — not "uncommitted", which would hide it from ``ls`` and prune.
-* :class:`MarkerCommit` — object stores (cold), which cannot rename. Objects are uploaded
-  in place under ``step_N/``, then ``_COMMITTED`` is written last. **Committed = a step
-  with the marker**, however many of its objects exist.
+* :class:`RenameCommit`: file systems (hot, warm). Files go into ``step_N.tmp/``; renaming it to ``step_N/``
+  is the commit point (atomic; the parent fsynced for durability). **Committed = a ``step_N`` directory.** A
+  missing or bad manifest in one is damage for the verifier to report, not "uncommitted" (which would hide it
+  from ``ls`` and prune).
+* :class:`MarkerCommit`: object stores (cold), which cannot rename. Objects are uploaded in place under
+  ``step_N/``, then ``_COMMITTED`` last. **Committed = a step with the marker**, whatever objects exist.
 
-Withdrawing — the first act of a delete — makes a step uncommitted before any of its
-bytes go, so a crash mid-delete never leaves a half that looks committed: the rename
-rule renames ``step_N`` to ``step_N.deleting``, the marker rule removes the marker.
+Withdrawing, the first act of a delete, makes a step uncommitted before any byte goes, so a crash mid-delete
+never leaves a half that looks committed: rename ``step_N`` to ``step_N.deleting``, or remove the marker.
 
-URLs are plain "/"-joined strings (``trainer.layout``); the marker rule works over any
-fsspec-like file system object it is given, and imports none.
+URLs are plain "/"-joined strings (``trainer.layout``); the marker rule works over any fsspec-like file
+system object it is given, and imports none.
 """
 
 from __future__ import annotations
@@ -84,8 +81,7 @@ class RenameCommit:
     def commit(self, run_url: str, step: int, *, marker: bytes = b"") -> str:
         tmp, final = self.staging_url(run_url, step), layout.join(run_url, layout.step_name(step))
         if os.path.lexists(final):
-            # rename(2) would silently replace an *empty* directory: never let a commit
-            # replace anything; the caller decides what a second copy of a step means.
+            # rename(2) silently replaces an *empty* directory; the caller decides what a second copy means
             raise StorageError(f"{final} already exists; a committed checkpoint is never replaced")
         fsync_dir(tmp)  # every staged file's entry is durable before the rename vouches for it
         rename_durable(tmp, final)

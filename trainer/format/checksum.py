@@ -1,10 +1,8 @@
 """Content checksums for checkpoint files.
 
-One algorithm everywhere (trainer manifest, tier manifests, codec containers), so a
-digest computed on any tier can be compared with one computed anywhere else.
-xxh3-128 runs at ~10 GB/s per core here (sha256 ~1 GB/s, crc32 ~4 GB/s): hashing a
-shard costs a small fraction of writing it. It is a corruption check, not a
-signature; manifests are authenticated separately (HMAC) when a key is configured.
+One algorithm everywhere (trainer manifest, tier manifests, codec containers), so digests compare across
+tiers. xxh3-128 is several times faster than sha256 or crc32, so hashing a shard costs a small fraction of
+writing it. A corruption check, not a signature: manifests are authenticated separately (HMAC) with a key.
 """
 
 from __future__ import annotations
@@ -74,15 +72,12 @@ def hash_file(path: str | os.PathLike) -> tuple[str, int]:
         return hash_stream(f)
 
 
-# ---- per-block digests: what lets a load verify and copy a file in parallel pieces ----------
-
 MIN_BLOCK = 1 << 20
-"""Bytes per block, at least. xxh3 streams sequentially, so one file's digest takes one core;
-the blocks' digests (in the manifest beside the file's) let a load verify a file on every core
-and copy each block into the model right after it matched, while it is still in the core's
-cache (1 MiB fits L2; 8 MiB blocks made that copy ~15 % slower here)."""
+"""Bytes per block, at least. One file's digest takes one core; the blocks' digests (in the manifest) let a
+load verify a file on every core and copy each block right after it matched, while still in cache (1 MiB
+fits L2)."""
 MAX_BLOCKS = 1024
-"""Blocks per file, at most (larger files get larger blocks): a 2 GB shard adds 16 KB to the manifest."""
+"""Blocks per file, at most (larger files get larger blocks), bounding the manifest's size."""
 
 
 def block_size_for(nbytes: int) -> int:
@@ -102,8 +97,8 @@ def block_digest(data: bytes | bytearray | memoryview) -> str:
 
 
 class FileDigest:
-    """A file's digest (``ALGORITHM``) and its blocks' (``BLOCK_ALGORITHM``), in one pass over its
-    bytes in order: ``update`` as they are written or read, then ``hexdigest``/``blocks``."""
+    """A file's digest (``ALGORITHM``) and its blocks' (``BLOCK_ALGORITHM``) in one pass over its bytes in
+    order: ``update`` as they are written or read, then ``hexdigest``/``blocks``."""
 
     def __init__(self, block: int = MIN_BLOCK) -> None:
         self.block = block

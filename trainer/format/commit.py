@@ -10,10 +10,9 @@ Call order for one checkpoint of step N (coordinator = rank 0):
 5. coordinator ``latest`` replaced atomically (write, fsync, rename, fsync)
 6. coordinator outbox line appended (fsync), then the event is sent in the background
 
-A crash before 4 leaves only a ``.tmp`` dir, never trusted and removed at the next
-start. A crash between 4 and 5 leaves a committed dir newer than ``latest``; resume
-takes the newest committed checkpoint that verifies, so nothing is lost, and it
-repairs ``latest``. ``latest`` therefore always names a complete checkpoint.
+A crash before 4 leaves only a ``.tmp`` dir, never trusted, removed at the next start. A crash between 4 and
+5 leaves a committed dir newer than ``latest``: resume takes the newest committed checkpoint that verifies
+and repairs ``latest``. ``latest`` therefore always names a complete checkpoint.
 """
 
 from __future__ import annotations
@@ -41,10 +40,8 @@ def commit_checkpoint(run_path: str, manifest: Manifest) -> str:
     write_durable(os.path.join(tmp, layout.MANIFEST), manifest.to_json())
     faults.maybe_crash("after_manifest", step)
     if RENAME.is_committed(run_path, step):
-        # Only possible if a previous attempt committed this very step and training
-        # then re-ran it (resume from an older checkpoint). The committed dir is
-        # immutable: keep it and drop the duplicate rather than replace a directory
-        # a lifecycle flow may be reading.
+        # A re-run of a step an earlier attempt committed (resumed from an older one): the committed dir is
+        # immutable (a lifecycle flow may be reading it), so drop the duplicate.
         log.warning("%s already committed; discarding the duplicate save in %s", final, tmp)
         remove_tree(tmp)
     else:

@@ -1,15 +1,11 @@
 """Read DCP's ``.metadata`` without running whatever code a pickle asks for.
 
-``.metadata`` is a pickle of ``torch.distributed.checkpoint.metadata.Metadata``.
-``pickle.load`` on it would call any function the file names (``os.system`` is one
-``REDUCE`` away), and the file comes from storage we only partly trust: a bucket, a
-colleague's directory, a restore drill. So every reader in ckptflow (the trainer's
-resume checks, the codec's dtype maps, verify and restore) goes through
-:func:`read_dcp_metadata`, whose unpickler resolves only the classes DCP itself
-writes into that file and refuses everything else, naming the class and the file.
-
-The allow-list is exact, not "anything under torch": ``torch`` also exports
-functions (``torch.load``, ``torch.hub``…) that a crafted pickle could call.
+``.metadata`` is a pickle of ``torch.distributed.checkpoint.metadata.Metadata``; ``pickle.load`` would call any
+function it names (``os.system`` is one ``REDUCE`` away), and it comes from partly trusted storage. So every
+reader in ckptflow (resume checks, the codec's dtype maps, verify, restore) goes through
+:func:`read_dcp_metadata`, whose unpickler resolves only the classes DCP writes there and refuses anything
+else, naming the class and the file. The allow-list is exact, not "anything under torch": ``torch`` also
+exports functions (``torch.load``, ``torch.hub``…) a crafted pickle could call.
 """
 
 from __future__ import annotations
@@ -48,8 +44,7 @@ _ALLOWED: dict[str, frozenset[str]] = {
     # storage_data values: FileSystemWriter's and the Hugging Face writer's records.
     "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
     "torch.distributed.checkpoint._hf_utils": frozenset({"_HFStorageInfo"}),
-    # torch.strided is pickled as _get_layout("torch.strided"): a lookup in a table of
-    # layouts, no side effects.
+    # torch.strided is pickled as _get_layout("torch.strided"): a table lookup, no side effects.
     "torch.serialization": frozenset({"_get_layout"}),
     # StorageMeta.checkpoint_id keeps the path the checkpoint was saved to.
     "pathlib": frozenset({"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"}),
@@ -73,8 +68,7 @@ _ALLOWED: dict[str, frozenset[str]] = {
         }
     ),
 }
-# torch.Size plus every dtype object (torch.float32, torch.bfloat16, …), which pickle
-# by name as attributes of the torch module.
+# torch.Size plus every dtype (torch.float32, …), which pickle by name as attributes of torch.
 _TORCH_DTYPES = frozenset(n for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype))
 _ALLOWED["torch"] = frozenset({"Size"}) | _TORCH_DTYPES
 
@@ -124,12 +118,9 @@ def loads_dcp_metadata(data: bytes, *, source: str) -> Metadata:
 
 
 def read_dcp_metadata(path: str | os.PathLike) -> Metadata:
-    """The ``Metadata`` of a DCP checkpoint; ``path`` is its directory or its ``.metadata``.
-
-    Local paths and fsspec URLs (``s3://…``) both work. Raises ``IntegrityError``
-    naming the file for anything but a well-formed DCP metadata pickle, and
-    ``FileNotFoundError`` when there is none.
-    """
+    """The ``Metadata`` of a DCP checkpoint; ``path``: its directory or its ``.metadata``, local or an fsspec
+    URL. Raises ``IntegrityError`` naming the file for anything but a well-formed DCP metadata pickle, and
+    ``FileNotFoundError`` when there is none."""
     path = os.fspath(path)
     if not path.rstrip("/").endswith(layout.DCP_METADATA):
         path = layout.join(path, layout.DCP_METADATA)

@@ -16,8 +16,8 @@ Every tier stores a run the same way::
       _leases/<step>.<id>.json     a reader (restore, drill) holds this checkpoint
       metrics.jsonl                the reference job's per-step loss and lr
 
-Paths are plain strings joined with "/" so ``s3://bucket/prefix`` keeps its ``//``
-and the same helpers serve local folders and object stores (fsspec).
+Paths are plain "/"-joined strings, so ``s3://bucket/prefix`` keeps its ``//`` and the same helpers serve
+local folders and object stores (fsspec).
 """
 
 from __future__ import annotations
@@ -161,13 +161,9 @@ def pin_path(run_path: str, step: int) -> str:
 
 
 def check_member_name(name: str) -> str:
-    """Validate a file name listed in a manifest or tier index.
-
-    Names are relative, "/"-separated, and stay inside the checkpoint: no absolute
-    paths, no ``..``, no empty or ``.`` components, no backslashes or NULs. A
-    manifest is data from storage; trusting its names would let an edited manifest
-    make a restore write (or a prune delete) outside the checkpoint.
-    """
+    """Validate a file name listed in a manifest or tier index: relative, "/"-separated, inside the checkpoint
+    (no absolute paths, ``..``, empty or ``.`` components, backslashes or NULs). A manifest is data from
+    storage; trusting its names would let an edited one make a restore write (or a prune delete) outside."""
     bad = (
         not isinstance(name, str)
         or not name

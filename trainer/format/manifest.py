@@ -1,15 +1,13 @@
 """The checkpoint manifest: what a committed checkpoint contains and how to trust it.
 
-``manifest.json`` is written last, by rank 0, after every rank has checksummed its
-own files. It is the single source of truth for integrity on every tier: the bytes
-of each file (size + xxh3-128), the provenance (config hash, data fingerprint, code
-and torch version), the training metrics at the step, and what a later sanity step
-needs to rebuild the model and recompute a probe loss.
+``manifest.json`` is written last, by rank 0, after every rank checksummed its own files. It is the single
+source of truth for integrity on every tier: each file's size and xxh3-128, the provenance (config hash, data
+fingerprint, code and torch version), the step's training metrics, and what the sanity step needs to rebuild
+the model and recompute a probe loss.
 
-Optional signing: with ``CKPTFLOW_MANIFEST_KEY`` set (or a key passed in), the
-manifest carries an HMAC-SHA256 over its canonical JSON; with a key configured an
-unsigned or tampered manifest is refused everywhere it is read. Flows may instead name
-a Prefect Secret block (``CKPTFLOW_MANIFEST_KEY_BLOCK``): see :func:`signing_key`.
+Optional signing: with ``CKPTFLOW_MANIFEST_KEY`` set (or a key passed in) it carries an HMAC-SHA256 over its
+canonical JSON, and an unsigned or tampered manifest is refused everywhere it is read. Flows may name a
+Prefect Secret block instead (``CKPTFLOW_MANIFEST_KEY_BLOCK``): see :func:`signing_key`.
 """
 
 from __future__ import annotations
@@ -45,9 +43,8 @@ FORMAT_VERSION = 1
 KEY_ENV = "CKPTFLOW_MANIFEST_KEY"
 KEY_BLOCK_ENV = "CKPTFLOW_MANIFEST_KEY_BLOCK"
 ADOPTED = "adopted"
-"""The key of an adopted checkpoint's manifest (``tasks/adopt.py``): ``{"source", "format",
-"adopted_at"}``. One adopted in another format than DCP's (a ``torch.save`` file, a Hugging Face
-``checkpoint-N/``) has no DCP ``.metadata``."""
+"""An adopted checkpoint's manifest key (``tasks/adopt.py``): ``{"source", "format", "adopted_at"}``. One adopted
+from a non-DCP format (a ``torch.save`` file, a Hugging Face ``checkpoint-N/``) has no DCP ``.metadata``."""
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest larger than this is not ours: refuse early
 
 
@@ -56,9 +53,8 @@ class FileEntry:
     size: int
     checksum: str
     block_size: int = 0
-    """With ``blocks``: the file's digest per ``block_size`` bytes (``checksum.BLOCK_ALGORITHM``,
-    ``BLOCK_HEX`` hex characters each, concatenated), so a load verifies it in parallel pieces.
-    0 and "": not recorded (manifests written before them; ``checksum`` alone is authoritative)."""
+    """With ``blocks``: the digest per ``block_size`` bytes (``checksum.BLOCK_ALGORITHM``, ``BLOCK_HEX`` hex
+    characters each, concatenated), so a load verifies in parallel. 0 and "": not recorded (``checksum`` rules)."""
     blocks: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -222,13 +218,9 @@ def _blocks(name: str, size: int, entry: dict[str, Any]) -> tuple[int, str]:
 
 
 def signing_key() -> bytes | None:
-    """The HMAC key, if one is configured: ``CKPTFLOW_MANIFEST_KEY``.
-
-    A deployment may name a Prefect Secret block in ``CKPTFLOW_MANIFEST_KEY_BLOCK`` instead:
-    the flows load it when they start and export the variable (``flows/secrets.py``); the
-    trainer never imports Prefect. A block named where nothing exported its key fails closed:
-    silently skipping authentication would accept exactly the manifests signing exists to refuse.
-    """
+    """The HMAC key, if one is configured: ``CKPTFLOW_MANIFEST_KEY``. ``CKPTFLOW_MANIFEST_KEY_BLOCK`` may name
+    a Prefect Secret block instead, which the flows export as that variable (``flows/secrets.py``); the trainer
+    never imports Prefect. A block named with no key exported fails closed rather than skip authentication."""
     k = os.environ.get(KEY_ENV)
     if not k and os.environ.get(KEY_BLOCK_ENV):
         raise ConfigError(

@@ -1,25 +1,19 @@
 """Which ranks share a hot root: found out at start-up, never assumed.
 
-A job on many nodes usually gives each node its own NVMe as the hot tier — the same
-``--ckpt-root`` path on every node, but a different disk. Nothing in the path says so,
-and the commit protocol differs (one rank can commit a shared root; a node-local root
-needs every node to commit its part), so the trainer finds out:
+The same ``--ckpt-root`` path may be one shared file system or each node's own disk, and the commit differs
+(one rank commits a shared root; on node-local roots every node commits its part), so all ranks find out:
 
 1. every rank creates a token file ``<run>/_scope/<rank>.<random>`` on its hot root;
-2. all ranks exchange their tokens (all-gather), then list the folder and report whose
-   tokens they see (a second all-gather);
-3. "sees" must be an equivalence relation — ranks that see each other share a root, a
-   *node* of storage — or the start fails with a clear error (a half-shared file system
-   is a misconfiguration no protocol can fix).
+2. all ranks all-gather their tokens, list the folder, and all-gather whose tokens they see;
+3. "sees" must be an equivalence relation (ranks that see each other share a root, a storage *node*), else
+   the start fails with a clear error: a half-shared file system is a misconfiguration no protocol can fix.
 
-One domain: the root is shared (one node, or a shared file system) and today's single
-commit applies. Several: the roots are node-local and the two-level commit
-(``trainer/nodes/twolevel.py``) applies. ``CheckpointConfig(hot_scope=...)`` may say which is
-expected; what is found is checked against it, never taken on trust.
+One domain: the root is shared and the single commit applies. Several: node-local roots and the two-level
+commit (``trainer/nodes/twolevel.py``). ``CheckpointConfig(hot_scope=...)`` may say which is expected; what is
+found is checked against it, never taken on trust.
 
-Each node's root keeps a node id (``_node.json``, created once per disk): a replaced
-node comes back with an empty disk and therefore a new id, which is exactly right — the
-data the old id named is gone.
+Each node's root keeps a node id (``_node.json``, created once per disk): a replaced node comes back with an
+empty disk and so a new id, which is right, since the data the old id named is gone.
 """
 
 from __future__ import annotations
@@ -85,9 +79,8 @@ class Topology:
         return self.node_ids[self.domain]
 
     def holders(self, replicas: int) -> list[list[int]]:
-        """For each node, the nodes that hold its shard files: itself, then the next
-        ``replicas - 1`` nodes on a ring (one node apart, as NVIDIA's resiliency extension
-        places them), so losing any ``replicas - 1`` nodes loses no shard."""
+        """For each node, the nodes holding its shard files: itself, then the next ``replicas - 1`` on a ring
+        (as NVIDIA's resiliency extension places them), so losing any ``replicas - 1`` nodes loses no shard."""
         k = max(1, min(replicas, self.n_nodes))
         return [[(i + j) % self.n_nodes for j in range(k)] for i in range(self.n_nodes)]
 

@@ -1,19 +1,15 @@
 """Moving checkpoint files between nodes over the checkpoint process group.
 
-Why the process group and not another transport: it already connects every rank (gloo
-over TCP here, the same fabric as training), it is authenticated by the rendezvous, needs
-no extra port, daemon or credentials, and it is already the group the commit thread owns —
-so replication and fetches run in the background, in the same order on every rank, never
-beside training collectives. The bytes are checked against the manifest on arrival, so
-the transport itself is trusted for nothing.
+Why the process group: it already connects every rank, is authenticated by the rendezvous, needs no extra
+port, daemon or credentials, and the commit thread owns it, so transfers run in the background in the same
+order on every rank, never beside training collectives. Bytes are checked against the manifest on arrival:
+the transport is trusted for nothing.
 
-A plan is a list of :class:`Transfer` every rank computed from the same gathered facts. It
-runs in rounds in which each rank sends at most one file and receives at most one
-(pairs are matched by construction, so no round can deadlock); a file moves in chunks of
-``chunk_bytes`` with every ``isend``/``irecv`` waited on with a timeout. A sender that cannot
-read, or a receiver that cannot write, keeps the byte count (zeros sent, bytes drained) so
-the rounds stay in step, and reports the problem; the caller decides from everyone's
-problems, gathered.
+A plan is a list of :class:`Transfer` every rank computed from the same gathered facts. It runs in rounds in
+which each rank sends at most one file and receives at most one (pairs matched by construction: no round can
+deadlock), in chunks of ``chunk_bytes``, every ``isend``/``irecv`` waited on with a timeout. A sender that
+cannot read or a receiver that cannot write keeps the byte count (zeros sent, bytes drained) so the rounds
+stay in step, and reports the problem; the caller decides from everyone's problems, gathered.
 """
 
 from __future__ import annotations
@@ -73,12 +69,9 @@ def run(
     chunk_bytes: int = CHUNK_BYTES,
 ) -> tuple[list[str], int]:
     """Execute the part of ``plan`` that involves ``rank``; every rank calls this with the same plan.
-
-    ``source(name)`` is the local path to read a file this rank sends; ``dest_dir(name)`` the
-    folder a received file goes into (written under a temporary name, fsynced, checked
-    against its digest, then renamed into place — never a torn or wrong file under the
-    real name). Returns (problems, bytes received).
-    """
+    ``source(name)``: the local path of a file this rank sends; ``dest_dir(name)``: the folder a received file
+    goes into (under a temporary name, fsynced, digest checked, then renamed: never a torn or wrong file under
+    the real name). Returns (problems, bytes received)."""
     problems: list[str] = []
     received = 0
     timeout = timedelta(seconds=timeout_s)

@@ -1,41 +1,35 @@
 """Node-local hot roots: the two-level commit, peer replicas, start-up recovery, resume anywhere.
 
-When ``trainer.topology`` finds that the ranks' hot roots are node-local (each node's own
-disk), one rank cannot commit the checkpoint for everyone. The protocol for step N, in
-the commit thread of every rank (``AsyncSaver``), all collectives on the checkpoint group:
+When ``trainer.topology`` finds the ranks' hot roots node-local (each node's own disk), no one rank can
+commit for everyone. Step N's protocol, in every rank's commit thread (``AsyncSaver``), all collectives on
+the checkpoint group:
 
 ====  =================  ==============================================================
  1    all ranks          DCP writes each rank's shards into its node's ``step_N.tmp/``
                          (the coordinator's node also gets ``.metadata``)
- 2    all -> rank 0      each rank hashes its own files; rank 0 gathers the entries and
-                         builds the global manifest, with the *placement*: which node
-                         wrote each file and which nodes hold it
- 3    rank 0 -> all      broadcast: the manifest's bytes and ``.metadata``'s (or the
-                         failure: then every node drops its ``.tmp``, SaveError)
- 4    pairs of ranks     replication: every shard file goes to the ``replicas - 1`` next
-                         nodes on a ring (``trainer/nodes/transport.py``), checked on arrival
+ 2    all -> rank 0      each rank hashes its own files; rank 0 gathers them and builds the global
+                         manifest with the *placement*: which node wrote, which nodes hold each file
+ 3    rank 0 -> all      broadcast the manifest's and ``.metadata``'s bytes (or the failure: every
+                         node drops its ``.tmp``, SaveError)
+ 4    pairs of ranks     replication: each shard to the ``replicas - 1`` next nodes on a ring
+                         (``trainer/nodes/transport.py``), checked on arrival
  5    all-gather         everyone learns whether every transfer succeeded
- 6    node leaders       each node's part made durable in its ``.tmp``: ``.metadata``,
-                         then ``manifest.json`` last (a ``.tmp`` with its manifest is a
-                         *prepared* part)
- 7    all-gather         the decision: every node prepared -> commit; else every node drops
-                         its part and the save fails everywhere (no rank branches on
-                         anything it has not received from all)
- 8    node leaders       rename ``step_N.tmp`` -> ``step_N`` (the node's commit point),
-                         then ``latest``; rank 0 writes the outbox line and sends the event
+ 6    node leaders       ``.metadata``, then ``manifest.json`` last, made durable in the node's
+                         ``.tmp`` (a ``.tmp`` with its manifest is a *prepared* part)
+ 7    all-gather         the decision: every node prepared -> commit; else every node drops its part
+                         and the save fails everywhere (no rank branches on facts not from all)
+ 8    node leaders       rename ``step_N.tmp`` -> ``step_N`` (the node's commit point), then
+                         ``latest``; rank 0 writes the outbox line and sends the event
 ====  =================  ==============================================================
 
-A step is committed as soon as any node has renamed its part: renames start only after
-the unanimous decision of phase 7, so every other node holds a prepared part by then. A
-crash between phases 7 and 8 (or during 8) therefore rolls *forward* at the next start —
-:func:`recover` renames the prepared parts of steps that another node committed — and a
-crash before 7 rolls back: no node renamed, every part is discarded. Either way no node's
-``latest`` ever names a step that is not complete everywhere.
+A step is committed once any node renamed its part; renames start only after phase 7's unanimous decision,
+so every other node holds a prepared part by then. A crash during or after 7 -> 8 rolls *forward* at the next
+start (:func:`recover` renames prepared parts of steps another node committed); a crash before 7 rolls back
+(no node renamed, every part is discarded). No node's ``latest`` ever names a step not complete everywhere.
 
-Resume (:func:`resume_point`) asks every node what it holds, agrees on the newest step for
-which every file of the manifest is held by some live node (own disk or a peer's
-replica), fetches what each node's ranks need from a holder (a replaced node starts with an
-empty disk), verifies every byte against the manifest, and only then loads.
+Resume (:func:`resume_point`): every node says what it holds; all agree on the newest step whose every file
+some live node holds (own disk or a peer's replica); each node fetches what its ranks need from a holder (a
+replaced node starts empty); every byte is verified against the manifest; only then is it loaded.
 """
 
 from __future__ import annotations
@@ -80,9 +74,8 @@ PLACEMENT = "placement"
 
 
 def placement(topo: Topology, owners: dict[str, int], replicas: int) -> dict[str, Any]:
-    """Which node wrote each file and which nodes hold it once replication is done.
-
-    ``owners``: file name -> the rank that wrote it. ``.metadata`` goes to every node."""
+    """Which node wrote each file and which hold it after replication. ``owners``: file name -> the rank
+    that wrote it. ``.metadata`` goes to every node."""
     ring = topo.holders(replicas)
     holders = {}
     owner_node = {}
@@ -223,12 +216,9 @@ def _prepared(run_path: str) -> tuple[list[int], list[str]]:
 
 
 def recover(run_path: str, topo: Topology, group: Any) -> dict[str, Any]:
-    """At start-up, before any save: finish or undo the commits a crash interrupted.
-
-    A prepared part of a step that some node committed is renamed (rolled forward: the
-    decision was to commit); any other ``.tmp`` is removed (no node committed it, so it
-    never was). All ranks call this; the gathered facts are the same on every rank.
-    """
+    """At start-up, before any save, on all ranks: finish or undo the commits a crash interrupted. A prepared
+    part of a step some node committed is renamed (rolled forward: the decision was to commit); any other
+    ``.tmp`` is removed (no node committed it). The gathered facts are the same on every rank."""
     mine = None
     if topo.is_leader:
         prepared, _ = _prepared(run_path)
@@ -356,9 +346,9 @@ def resume_point(
     key: bytes | None = None,
     timeout_s: float = 600.0,
 ) -> NodeResume:
-    """Agree on the newest recoverable step, bring every node what its ranks will read, and
-    verify it (module docstring). ``needs(step_dir, manifest)`` -> the files this rank's load
-    reads (its DCP load plan); called once ``.metadata`` is local and verified."""
+    """Agree on the newest recoverable step, bring every node what its ranks will read, verify it (module
+    docstring). ``needs(step_dir, manifest)`` -> the files this rank's load reads (its DCP load plan);
+    called once ``.metadata`` is local and verified."""
     from ckptflow.trainer.format import commit
     from ckptflow.trainer.verify import verify_checkpoint
 
@@ -478,8 +468,8 @@ def _fetch(
     out: NodeResume,
     timeout_s: float,
 ) -> list[str]:
-    """Bring each node the files of ``want`` it lacks, each from the lowest-numbered holder;
-    senders and receivers spread over the nodes' ranks. Updates ``present``."""
+    """Bring each node the files of ``want`` it lacks, each from the lowest-numbered holder; senders and
+    receivers spread over the nodes' ranks. Updates ``present``."""
     plan = []
     for node in range(topo.n_nodes):
         for k, name in enumerate(sorted(want[node] - present[node])):

@@ -1,7 +1,7 @@
 """Builds the reference job's model, optimizer and schedule from a plain config dict.
 
 The same builder serves training (``ckptflow.trainer.train``) and the restore sanity
-step (``ckptflow.trainer.sanity``), which finds it by the ``module:function`` name recorded in
+step (``ckptflow.tasks.sanity``), which finds it by the ``module:function`` name recorded in
 every manifest — so a checkpoint says how to rebuild what it holds.
 """
 

@@ -83,12 +83,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--ckpt-timeout-s", type=float, default=600.0, help="the checkpoint group's: replication, the commit's votes"
     )
-    p.add_argument(
-        "--direct-io",
-        default=None,
-        choices=["on", "off"],
-        help="write the data files past the page cache (O_DIRECT; default: CheckpointConfig's)",
-    )
     return p.parse_args(argv)
 
 
@@ -140,7 +134,6 @@ def main(argv: list[str] | None = None) -> int:
             on_save_error=args.on_save_error,
             hot_scope=args.hot_scope,
             replicas=args.replicas,
-            **({"direct_io": args.direct_io == "on"} if args.direct_io else {}),
         ),
         model=b.model,
         optimizer=b.optimizer,

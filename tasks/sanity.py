@@ -1,7 +1,7 @@
 """The restore sanity step: prove a checkpoint restores, not just that its bytes match.
 
-    python -m ckptflow.trainer.sanity CKPT_DIR [--out result.json] [--stats stats.json]
-    torchrun --nproc-per-node=3 -m ckptflow.trainer.sanity CKPT_DIR ...   # at another world size
+    python -m ckptflow.tasks.sanity CKPT_DIR [--out result.json] [--stats stats.json]
+    torchrun --nproc-per-node=3 -m ckptflow.tasks.sanity CKPT_DIR ...   # at another world size
 
 In a fresh process: verify every file against the manifest, rebuild the model,
 optimizer and LR schedule with the builder the manifest names, load the checkpoint
@@ -270,7 +270,7 @@ def _every_item(ckpt_dir: str, manifest: Manifest, env: DistEnv) -> dict[str, An
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m ckptflow.trainer.sanity",
+        prog="python -m ckptflow.tasks.sanity",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
