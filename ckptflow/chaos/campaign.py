@@ -16,6 +16,7 @@ import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from ckptflow.chaos import procs
 from ckptflow.chaos.servers import HarnessError, MotoServer, PrefectServer
@@ -32,6 +33,7 @@ TRAIN_STEPS, SAVE_EVERY = 10, 2
 class Options:
     trials: int = 10
     kinds: tuple[str, ...] = ("kill", "corrupt", "s3", "prefect", "enospc")
+    """The default: every kind but ``net``, which needs root and its own network (``--kinds net``)."""
     weights: dict[str, int] = field(default_factory=dict)
     """Trials of a kind per round of the round-robin (default 1): ``kill:4`` runs 4 kills a round."""
     seed: int = 0
@@ -103,6 +105,8 @@ class Campaign:
         self._baselines: dict[int, dict[int, tuple[float, float]]] = {}
         self._prefect: PrefectServer | None = None
         self._train_baseline: dict | None = None
+        self.cache: dict[str, Any] = {}
+        """What a kind makes once per campaign (the ``net`` kind's clean run)."""
 
     def quiet_logs(self) -> None:
         self._quiet.refresh()

@@ -27,7 +27,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-KINDS = ("kill", "corrupt", "s3", "prefect", "enospc")
+KINDS = ("kill", "corrupt", "s3", "prefect", "enospc", "net")
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import sys
 from pathlib import Path
@@ -11,15 +12,17 @@ import typer
 
 from ckptflow.cli.errors import EXIT_BAD, EXIT_USAGE
 
-KIND_NAMES = ("kill", "corrupt", "s3", "prefect", "enospc")
+KIND_NAMES = ("kill", "corrupt", "s3", "prefect", "enospc", "net")
+DEFAULT_KINDS = KIND_NAMES[:-1]
+"""Every kind but ``net``, which needs root: it runs nodes in network namespaces of their own."""
 
 
 def chaos(
     trials: int = typer.Option(10, "--trials", "-n", min=1, help="Trials to run (round-robin over --kinds)."),
     kinds: str = typer.Option(
-        ",".join(KIND_NAMES),
+        ",".join(DEFAULT_KINDS),
         "--kinds",
-        help="Comma-separated fault kinds: kill, corrupt, s3, prefect, enospc; KIND:N "
+        help="Comma-separated fault kinds: kill, corrupt, s3, prefect, enospc, net (root); KIND:N "
         "gives a kind N turns per round (kill:4 = four kills per round).",
     ),
     seed: int | None = typer.Option(None, "--seed", help="Replays the same trials (default: a random seed, printed)."),
@@ -62,7 +65,9 @@ def chaos(
     objects, stale latest, edited manifests, markers without objects and objects without
     markers, on every tier), s3 (HTTP 500/503, resets, stalls through a proxy), prefect
     (server refusing, hanging or restarted during training and flows), enospc (a full
-    disk while saving; needs root to mount a small tmpfs).
+    disk while saving; needs root to mount a small tmpfs), net (two nodes in network
+    namespaces, a link cut during the two-level commit or training, flapping or throttled;
+    root only, not in the default set).
 
     Prints a table of trials, faults injected, detected, recovered, data lost and the
     longest recovery. Exit 0 when nothing was lost, everything was detected and every
@@ -76,6 +81,9 @@ def chaos(
     from ckptflow.cli.common import load
 
     wanted, weights = _parse_kinds(kinds)
+    if "net" in wanted and os.geteuid() != 0:
+        typer.echo("ckptflow: error: --kinds net needs root (it makes network namespaces); run as root", err=True)
+        raise typer.Exit(EXIT_USAGE)
     style = Style.from_config(load(config)) if config is not None else Style()
     seed = seed if seed is not None else secrets.randbelow(1 << 31)
     stream = sys.stderr if as_json else sys.stdout

@@ -150,3 +150,31 @@ def test_the_namespaces_of_a_harness_killed_without_clean_up_are_removed_by_the_
     assert len([n for n in namespaces() if n.startswith(name + "-")]) == 3  # left behind
     with NetNodes(1):
         assert not [n for n in namespaces() if n.startswith(name + "-")]
+
+
+def test_chaos_net_kind_a_flapping_link_in_the_commit_loses_nothing_and_leaves_no_namespace(tmp_path):
+    """``ckptflow chaos --kinds net``, as a user starts it: seed 1's one trial takes node 1's link down and up four
+    times from the start of step 8's replication. Whether the commit survives the flaps or fails naming its
+    phase, no rank waits past its timeouts, no node's ``latest`` ever names a step another node lacks (sampled
+    every 0.1 s), the healed run's losses are the clean run's bit for bit, and the namespaces are gone."""
+    import subprocess
+
+    from tests.helpers import PY, REPO, torchrun_env
+
+    p = subprocess.Popen(
+        [PY, "-m", "ckptflow.cli.main", "chaos", "--kinds", "net", "--trials", "1", "--seed", "1", "--json"],
+        cwd=REPO,
+        env=torchrun_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    out, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err[-4000:]
+    assert not [n for n in namespaces() if n.startswith(f"ckf{p.pid}x")]  # the harness's names carry its pid
+    rep = json.loads(out)
+    (t,) = rep["trials"]
+    assert t["kind"] == "net" and t["fault"] == "link flapping 4x" and t["injected"] == 4, t
+    assert t["ok"] and t["recovered"] and not (t["lost"] or t["undetected"] or t["violations"]), t
+    s = rep["summary"]["net"]
+    assert (s["trials"], s["detected"], s["lost"], s["undetected"]) == (1, 1, 0, 0), s

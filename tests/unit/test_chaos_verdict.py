@@ -56,3 +56,14 @@ def test_the_cli_exits_1_when_a_trial_fails(monkeypatch):
     res = CliRunner().invoke(app, ["--trials", "1", "--seed", "1", "--kinds", "kill"])
     assert res.exit_code == 1 and "step 4 exists on no tier" in res.output
     assert CliRunner().invoke(app, ["--kinds", "kill,flood"]).exit_code == 2
+
+
+def test_chaos_net_kind_draws_every_fault_and_replays_by_seed():
+    import random
+
+    from ckptflow.chaos.kinds import net
+
+    drawn = [net.plan(random.Random(s), None) for s in range(200)]
+    assert {p["fault"] for p in drawn} == {"cut", "cut@train", "flap", "throttle"}
+    assert {p["phase"] for p in drawn if p["fault"] == "cut"} == set(net.PHASES)
+    assert drawn == [net.plan(random.Random(s), None) for s in range(200)]
