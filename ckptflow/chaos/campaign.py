@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptflow.chaos import procs
+from ckptflow.chaos.model import DEFAULT_KINDS
 from ckptflow.chaos.servers import HarnessError, MotoServer, PrefectServer
 from ckptflow.chaos.workspace import RUN_ID, Scratch, Style, clone, committed_by_tier
 from ckptflow.trainer.errors import CkptflowError
@@ -32,8 +33,7 @@ TRAIN_STEPS, SAVE_EVERY = 10, 2
 @dataclass(slots=True)
 class Options:
     trials: int = 10
-    kinds: tuple[str, ...] = ("kill", "corrupt", "s3", "prefect", "enospc")
-    """The default: every kind but ``net``, which needs root and its own network (``--kinds net``)."""
+    kinds: tuple[str, ...] = DEFAULT_KINDS
     weights: dict[str, int] = field(default_factory=dict)
     """Trials of a kind per round of the round-robin (default 1): ``kill:4`` runs 4 kills a round."""
     seed: int = 0

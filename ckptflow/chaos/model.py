@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 KINDS = ("kill", "corrupt", "s3", "prefect", "enospc", "net")
+DEFAULT_KINDS = tuple(k for k in KINDS if k != "net")
+"""Every kind but ``net``, which needs root: it runs nodes in network namespaces of their own."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,11 +10,8 @@ from pathlib import Path
 
 import typer
 
+from ckptflow.chaos.model import DEFAULT_KINDS, KINDS
 from ckptflow.cli.errors import EXIT_BAD, EXIT_USAGE
-
-KIND_NAMES = ("kill", "corrupt", "s3", "prefect", "enospc", "net")
-DEFAULT_KINDS = KIND_NAMES[:-1]
-"""Every kind but ``net``, which needs root: it runs nodes in network namespaces of their own."""
 
 
 def chaos(
@@ -130,10 +127,10 @@ def _parse_kinds(text: str) -> tuple[tuple[str, ...], dict[str, int]]:
         if not item:
             continue
         name, _, n = item.partition(":")
-        if name not in KIND_NAMES or (n and (not n.isdigit() or int(n) < 1)):
+        if name not in KINDS or (n and (not n.isdigit() or int(n) < 1)):
             typer.echo(
                 f"ckptflow: error: --kinds {item!r}: use KIND or KIND:N (N >= 1) with KIND one of "
-                f"{', '.join(KIND_NAMES)}",
+                f"{', '.join(KINDS)}",
                 err=True,
             )
             raise typer.Exit(EXIT_USAGE)
@@ -141,7 +138,7 @@ def _parse_kinds(text: str) -> tuple[tuple[str, ...], dict[str, int]]:
         if n:
             weights[name] = int(n)
     if not kinds:
-        typer.echo(f"ckptflow: error: --kinds names no fault kind; choose from {', '.join(KIND_NAMES)}", err=True)
+        typer.echo(f"ckptflow: error: --kinds names no fault kind; choose from {', '.join(KINDS)}", err=True)
         raise typer.Exit(EXIT_USAGE)
     return tuple(kinds), weights
 
