@@ -129,8 +129,7 @@ def _parse_kinds(text: str) -> tuple[tuple[str, ...], dict[str, int]]:
         name, _, n = item.partition(":")
         if name not in KINDS or (n and (not n.isdigit() or int(n) < 1)):
             typer.echo(
-                f"ckptflow: error: --kinds {item!r}: use KIND or KIND:N (N >= 1) with KIND one of "
-                f"{', '.join(KINDS)}",
+                f"ckptflow: error: --kinds {item!r}: use KIND or KIND:N (N >= 1) with KIND one of {', '.join(KINDS)}",
                 err=True,
             )
             raise typer.Exit(EXIT_USAGE)
