@@ -42,3 +42,22 @@ def test_transfer_rounds_never_make_a_rank_send_or_receive_twice():
     assert sorted(t for r in rs for t in r) == sorted(plan)
     for r in rs:
         assert len({t.src for t in r}) == len(r) and len({t.dst for t in r}) == len(r)
+
+
+def test_the_chunk_follows_the_slowest_transfer_of_each_step():
+    p = transport.Pace(timeout_s=8.0)  # a step should take at most 1 s
+    assert p.chunk == transport.FIRST_CHUNK
+    p.after(0.1)  # under a quarter of its share: doubled
+    assert p.chunk == 2 * transport.FIRST_CHUNK
+    p.after(0.5)  # within its share: kept
+    assert p.chunk == 2 * transport.FIRST_CHUNK
+    p.after(4.0)  # four times too slow: cut to fit (a power of two)
+    assert p.chunk == transport.FIRST_CHUNK // 2
+    p.after(1.5)  # a little too slow: at least halved
+    assert p.chunk == transport.FIRST_CHUNK // 4
+    for _ in range(30):
+        p.after(1000.0)
+    assert p.chunk == transport.MIN_CHUNK
+    for _ in range(30):
+        p.after(0.0)
+    assert p.chunk == transport.MAX_CHUNK

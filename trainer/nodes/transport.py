@@ -7,7 +7,11 @@ the transport is trusted for nothing.
 
 A plan is a list of :class:`Transfer` every rank computed from the same gathered facts. It runs in rounds in
 which each rank sends at most one file and receives at most one (pairs matched by construction: no round can
-deadlock), in chunks of ``chunk_bytes``, every ``isend``/``irecv`` waited on with a timeout. A sender that
+deadlock). A round moves in *steps*, in lock-step on every rank: each transfer of the round moves at most one
+chunk, every ``isend``/``irecv`` is waited on with the timeout, and a small all-reduce ends the step, so a rank
+with nothing to move waits one step at a time, never for a whole file. The chunk follows the link
+(:class:`Pace`, from the slowest transfer of each step, a value every rank has): no single wait grows with the
+checkpoint's size, and the group's timeout only has to cover one step on the slowest link. A sender that
 cannot read or a receiver that cannot write keeps the byte count (zeros sent, bytes drained) so the rounds
 stay in step, and reports the problem; the caller decides from everyone's problems, gathered.
 """
@@ -15,6 +19,7 @@ stay in step, and reports the problem; the caller decides from everyone's proble
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,7 +32,30 @@ import torch.distributed as dist
 from ckptflow.trainer.format.checksum import new_hasher
 from ckptflow.trainer.fsutil import fsync_dir
 
-CHUNK_BYTES = 32 << 20  # measured: 4 MiB 298, 16 MiB 270, 64 MiB 358 MB/s per direction (loopback gloo)
+FIRST_CHUNK = 1 << 20
+"""The chunk of a plan's first step: small enough that a slow link's first wait stays short."""
+MIN_CHUNK, MAX_CHUNK = 64 << 10, 64 << 20
+"""The chunk's bounds (loopback gloo, per direction: 4 MiB 298, 16 MiB 270, 64 MiB 358 MB/s)."""
+STEP_SHARE = 8
+"""A step should take at most ``timeout / STEP_SHARE``: the link may get that much slower mid-step."""
+
+
+@dataclass(slots=True)
+class Pace:
+    """The chunk each transfer moves per step. Updated from the slowest transfer of each step, a value every
+    rank agreed on (the step's all-reduce), so every rank computes the same chunks: halved (or cut to fit)
+    while a step takes more than its share of the timeout, doubled while it takes under a quarter of it."""
+
+    timeout_s: float
+    chunk: int = FIRST_CHUNK
+
+    def after(self, slowest_s: float) -> None:
+        target = self.timeout_s / STEP_SHARE
+        if slowest_s > target:
+            fit = int(self.chunk * target / slowest_s)
+            self.chunk = max(MIN_CHUNK, min(self.chunk // 2, 1 << max(fit, 1).bit_length() - 1))
+        elif slowest_s < target / 4:
+            self.chunk = min(MAX_CHUNK, self.chunk * 2)
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -66,41 +94,52 @@ def run(
     source: Callable[[str], str],
     dest_dir: Callable[[str], str],
     timeout_s: float = 600.0,
-    chunk_bytes: int = CHUNK_BYTES,
+    pace: Pace | None = None,
 ) -> tuple[list[str], int]:
-    """Execute the part of ``plan`` that involves ``rank``; every rank calls this with the same plan.
-    ``source(name)``: the local path of a file this rank sends; ``dest_dir(name)``: the folder a received file
-    goes into (under a temporary name, fsynced, digest checked, then renamed: never a torn or wrong file under
-    the real name). Returns (problems, bytes received)."""
+    """Execute the part of ``plan`` that involves ``rank``; every rank calls this with the same plan (and a
+    ``pace`` in the same state, or none: a fresh one). ``source(name)``: the local path of a file this rank
+    sends; ``dest_dir(name)``: the folder a received file goes into (under a temporary name, fsynced, digest
+    checked, then renamed: never a torn or wrong file under the real name). Returns (problems, bytes
+    received)."""
     problems: list[str] = []
     received = 0
+    pace = pace or Pace(timeout_s)
     timeout = timedelta(seconds=timeout_s)
-    buf_send = torch.empty(chunk_bytes, dtype=torch.uint8)
-    buf_recv = torch.empty(chunk_bytes, dtype=torch.uint8)
+    bufs = _Buffers()
+    slowest = torch.zeros(1, dtype=torch.float64)
     for rnd in rounds(sorted(plan)):
         send = next((t for t in rnd if t.src == rank), None)
         recv = next((t for t in rnd if t.dst == rank), None)
-        if send is None and recv is None:
-            continue
         sender = _Sender(send, source, problems) if send is not None else None
         receiver = _Receiver(recv, dest_dir, problems) if recv is not None else None
-        n = max(_chunks(send.size, chunk_bytes) if send else 0, _chunks(recv.size, chunk_bytes) if recv else 0)
+        done = dict.fromkeys(rnd, 0)  # every rank tracks every transfer of the round: the same steps everywhere
         try:
-            for k in range(n):
+            first = True
+            while first or any(done[t] < t.size for t in rnd):
+                # a transfer moves while it has bytes left; an empty file once, as one empty message
+                moving = {t for t in rnd if done[t] < t.size or (first and not t.size)}
+                first = False
+                step = {t: min(pace.chunk, t.size - done[t]) for t in rnd}
+                t0 = time.perf_counter()
                 works = []
-                if sender is not None and send is not None and k < _chunks(send.size, chunk_bytes):
-                    view = buf_send[: _chunk_len(send.size, k, chunk_bytes)]
+                if sender is not None and send in moving:
+                    view = bufs.send(step[send])
                     sender.fill(view)
                     works.append(dist.isend(view, dst=send.dst, group=group))
                 rview = None
-                if receiver is not None and recv is not None and k < _chunks(recv.size, chunk_bytes):
-                    rview = buf_recv[: _chunk_len(recv.size, k, chunk_bytes)]
+                if receiver is not None and recv in moving:
+                    rview = bufs.recv(step[recv])
                     works.append(dist.irecv(rview, src=recv.src, group=group))
                 for w in works:
                     if w is not None:
                         w.wait(timeout)
                 if receiver is not None and rview is not None:
                     receiver.take(rview)
+                slowest[0] = time.perf_counter() - t0 if works else 0.0
+                dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)  # the step's end, on every rank
+                pace.after(float(slowest[0]))
+                for t in rnd:
+                    done[t] += step[t]
         finally:
             if sender is not None:
                 sender.close()
@@ -109,12 +148,22 @@ def run(
     return problems, received
 
 
-def _chunks(size: int, chunk: int) -> int:
-    return max(1, -(-size // chunk))  # an empty file still takes one (empty) message
+class _Buffers:
+    """One send and one receive buffer, grown to the largest chunk asked for (views of them are sent)."""
 
+    def __init__(self) -> None:
+        self._send = torch.empty(0, dtype=torch.uint8)
+        self._recv = torch.empty(0, dtype=torch.uint8)
 
-def _chunk_len(size: int, k: int, chunk: int) -> int:
-    return max(0, min(chunk, size - k * chunk))
+    def send(self, n: int) -> torch.Tensor:
+        if n > len(self._send):
+            self._send = torch.empty(n, dtype=torch.uint8)
+        return self._send[:n]
+
+    def recv(self, n: int) -> torch.Tensor:
+        if n > len(self._recv):
+            self._recv = torch.empty(n, dtype=torch.uint8)
+        return self._recv[:n]
 
 
 class _Sender:
