@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -289,16 +290,21 @@ def fan_out(
     return states
 
 
-def node_promote(ref: CheckpointRef, nodes: list[str]) -> dict[str, Any]:
-    """Steps 1-2 of the module docstring; raises ``IncompleteError`` when a file cannot be had."""
+def node_promote(
+    ref: CheckpointRef, nodes: list[str], *, fan: Callable[..., dict[str, str]] | None = None, log: Any = None
+) -> dict[str, Any]:
+    """Steps 1-2 of the module docstring; raises ``IncompleteError`` when a file cannot be had. ``fan``: how the
+    nodes' parts are run (:func:`fan_out`'s signature; by default, it: each on its node's queue); ``log``: by
+    default the flow run's logger."""
     from ckptflow.tasks.transfer._parts import IncompleteError, commit_parts, parts_status
 
-    log = get_run_logger()
+    log = log or get_run_logger()
+    run_parts = fan or fan_out
     warm = ref.tier("warm")
     timeout = ref.cfg.lifecycle.node_part_timeout_s
     states: dict[str, str] = {}
     if not warm.is_committed(ref.run_id, ref.step):
-        states = fan_out("stage", ref, nodes, timeout_s=timeout)
+        states = run_parts("stage", ref, nodes, timeout_s=timeout)
         st = parts_status(warm, ref.run_id, ref.step)
         late = [n for n, s in states.items() if s != "COMPLETED"]
         if st.manifest is None:
@@ -325,7 +331,7 @@ def node_promote(ref: CheckpointRef, nodes: list[str]) -> dict[str, Any]:
                 states.update(
                     {
                         f"{n} (take-over)": s
-                        for n, s in fan_out("stage", ref, list(take), timeout_s=timeout, take=take).items()
+                        for n, s in run_parts("stage", ref, list(take), timeout_s=timeout, take=take).items()
                     }
                 )
             st = parts_status(warm, ref.run_id, ref.step)

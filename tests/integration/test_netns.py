@@ -12,6 +12,7 @@ import pytest
 
 from ckptflow.harness import NetNodes, NodeAgents, namespaces
 from ckptflow.trainer import faults
+from ckptflow.trainer.nodes import transport
 from ckptflow.trainer.reference.metrics import read_metrics
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
@@ -81,14 +82,20 @@ CUTS = [
 
 
 def test_a_node_cut_off_in_the_commit_fails_in_time_leaves_latest_whole_and_the_healed_run_resumes_bitwise(
-    network, tmp_path
+    network, tmp_path, s3_endpoint, s3_bucket
 ):
     """One job, cut three times: node 1 is cut off while both nodes are held at a phase of step 8's
     commit (each cut in turn; the job restarts in between, as an operator would). Each time node 0
     fails within its timeouts instead of hanging (the commit's own failure naming the node and the
     phase), no node's ``latest`` names a step another node lacks, and once the link is back both
     nodes resume from the newest globally committed step. The healed job trains to losses bitwise
-    equal to the clean run's at every step."""
+    equal to the clean run's at every step. The lifecycle takes every globally committed step to cold: step 8,
+    committed by the cut after the decision, while node 1 is still cut off (node 1's files taken over from the
+    replicas node 0 holds), the others once the link is back."""
+    from ckptflow.chaos import checks
+    from ckptflow.chaos.nodelife import NodeLifecycle
+    from ckptflow.chaos.workspace import Scratch, Style
+
     net, baseline = network
     roots = [str(tmp_path / f"node{i}") for i in range(2)]
     timeouts = ["--timeout-s", "20", "--ckpt-timeout-s", "10"]
@@ -121,6 +128,13 @@ def test_a_node_cut_off_in_the_commit_fails_in_time_leaves_latest_whole_and_the_
             # timeouts, minutes): the node is replaced the way an operator would, by a restart.
             nodes.kill(1)
             nodes.wait(30)
+            if not k:
+                tiers = Scratch(str(tmp_path / "tiers"), s3_bucket, "c", s3_endpoint, Style(sanity_step=False))
+                life = NodeLifecycle(tiers.with_run(RUN), roots)
+            if resume == 8:  # node 1 still cut off: the lifecycle of step 8 goes on without it
+                assert life.run([8], life.nodes[:1]) == {}
+                states = life.part_states[8]
+                assert states[life.nodes[1]] == "NO_WORKER" and f"{life.nodes[0]} (take-over)" in states, states
             net.link_up(1)
             outs.append(said)
         nodes.args = _args()
@@ -132,6 +146,46 @@ def test_a_node_cut_off_in_the_commit_fails_in_time_leaves_latest_whole_and_the_
     assert sorted(got) == list(range(1, 13))
     assert all(got[s] == baseline[s] for s in got), [(s, got[s], baseline[s]) for s in got if got[s] != baseline[s]]
     assert all(_latest(r) == 12 for r in roots)
+    assert life.run([4, 8, 12], life.nodes) == {}
+    views = checks.tier_views(life.scratch, [life.scratch.tier("warm"), life.scratch.tier("cold")])
+    assert sorted(views["cold"].good) == [4, 8, 12] and not checks.half_committed(views), views
+
+
+def test_a_replica_transfer_longer_than_the_commit_timeout_completes_on_a_slow_link(network, tmp_path):
+    """The checkpoint group's timeout bounds each wait of a transfer, not the transfer: on node 1's link at
+    8 mbit, 3 MB take longer than a 2 s timeout, yet rank 0 (node 0) sends them to rank 2 (node 1) while rank 1
+    (node 0), with nothing to move, waits step by step beside them and then gathers as phase 5 does. The chunk
+    shrinks to fit the link; the bytes arrive whole."""
+    import subprocess
+
+    from ckptflow.harness import free_port
+    from tests.helpers import PY, REPO, torchrun_env
+
+    net, _ = network
+    size, timeout_s, port = 3_000_000, 2.0, free_port()
+    net.throttle(1, "8mbit")
+    try:
+        procs = [
+            subprocess.Popen(
+                [*net.exec_prefix(node), PY, "-m", "tests.loops.transfer_job"]
+                + [str(rank), "3", net.addr(0), str(port), str(tmp_path), str(size), str(timeout_s)],
+                cwd=REPO,
+                env=torchrun_env({"GLOO_SOCKET_IFNAME": NetNodes.LINK}),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for rank, node in enumerate([0, 0, 1])
+        ]
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        net.unthrottle(1)
+    assert [p.returncode for p in procs] == [0, 0, 0], [e[-2000:] for _, e in outs]
+    got = [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
+    assert all(g["problems"] == [[], [], []] for g in got), got
+    assert got[2]["received"] == size and (tmp_path / "rank2" / "blob").stat().st_size == size
+    assert all(g["s"] > timeout_s for g in got), got  # every rank outlasted the timeout without a wait exceeding it
+    assert got[0]["chunk"] < transport.FIRST_CHUNK, got  # the chunk followed the link down
 
 
 def test_the_namespaces_of_a_harness_killed_without_clean_up_are_removed_by_the_next():
@@ -176,5 +230,6 @@ def test_chaos_net_kind_a_flapping_link_in_the_commit_loses_nothing_and_leaves_n
     (t,) = rep["trials"]
     assert t["kind"] == "net" and t["fault"] == "link flapping 4x" and t["injected"] == 4, t
     assert t["ok"] and t["recovered"] and not (t["lost"] or t["undetected"] or t["violations"]), t
+    assert sorted(t["detail"]["cold"]) == [4, 8, 12], t  # every globally committed step taken to cold
     s = rep["summary"]["net"]
     assert (s["trials"], s["detected"], s["lost"], s["undetected"]) == (1, 1, 0, 0), s

@@ -14,7 +14,10 @@ Checked: node 0 ends within its timeouts after the fault (``--timeout-s`` + ``--
 hangs; a commit that fails before the decision names the node and the phase; every 0.1 s, each node's ``latest``
 names a step every node holds, committed or prepared; after the link is back and node 1 replaced by a restart, both
 nodes resume from the newest step any node committed and train to losses bitwise equal to a clean run's (made once
-per campaign on the same network). The trial's namespaces are gone when it ends.
+per campaign on the same network). The lifecycle (``chaos.nodelife``) takes every globally committed step to cold:
+while node 1 is still cut off, from node 0's part and the replicas it holds of node 1's files; after the heal, the
+rest from both nodes. Warm and cold are then read back (every byte checked, verified), and cold must hold every
+globally committed step. The trial's namespaces are gone when it ends.
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ import subprocess
 import threading
 import time
 
+from ckptflow.chaos import checks
 from ckptflow.chaos.campaign import Campaign
 from ckptflow.chaos.model import TrialPlan, TrialResult
+from ckptflow.chaos.nodelife import NodeLifecycle
 from ckptflow.harness import NetNodes, NodeAgents, namespaces
 from ckptflow.trainer import faults
 from ckptflow.trainer.format import layout
@@ -134,7 +139,10 @@ def run(camp: Campaign, tp: TrialPlan) -> TrialResult:
         baseline = _baseline(camp, net)
         watch = _Watch(roots)
         try:
-            _trial(camp, p, net, roots, tdir, res, baseline)
+            life = NodeLifecycle(camp.scratch(tp.index, "net", sanity=False).with_run(RUN), roots)
+            _trial(camp, p, net, roots, tdir, res, baseline, life)
+            _to_cold(life, roots, res)
+            res.recovered = res.recovered and not (res.violations or res.lost)
         finally:
             res.undetected += watch.stop()
     left = [n for n in namespaces() if n in mine]
@@ -143,8 +151,35 @@ def run(camp: Campaign, tp: TrialPlan) -> TrialResult:
     return res
 
 
+def _committed(roots: list[str]) -> list[int]:
+    """The steps any node committed (globally committed: no node renames before every node prepared)."""
+    return sorted({s for r in roots for s in committed_steps(os.path.join(r, RUN))})
+
+
+def _to_cold(life: NodeLifecycle, roots: list[str], res: TrialResult) -> None:
+    """Every globally committed step to cold, every node reachable; then warm and cold checked: each committed
+    checkpoint fetched with every byte checked and verified, and cold holding every globally committed step."""
+    steps = _committed(roots)
+    for step, why in life.run(steps, life.nodes).items():
+        res.lost.append(f"step {step} was committed but did not reach cold: {why}")
+    sc = life.scratch
+    views = checks.tier_views(sc, [sc.tier("warm"), sc.tier("cold")])
+    res.violations += checks.half_committed(views)
+    missing = sorted(set(steps) - set(views["cold"].good))
+    if missing:
+        res.lost.append(f"committed steps {missing} are not on cold in a form that verifies")
+    res.detail["cold"] = views["cold"].good
+
+
 def _trial(
-    camp: Campaign, p: dict, net: NetNodes, roots: list[str], tdir: str, res: TrialResult, baseline: dict
+    camp: Campaign,
+    p: dict,
+    net: NetNodes,
+    roots: list[str],
+    tdir: str,
+    res: TrialResult,
+    baseline: dict,
+    life: NodeLifecycle,
 ) -> None:
     timeouts = ["--timeout-s", str(TIMEOUT_S), "--ckpt-timeout-s", str(CKPT_TIMEOUT_S)]
     marks = os.path.join(tdir, "marks")
@@ -207,12 +242,16 @@ def _trial(
                 res.violations.append("node 1 still running 60 s after node 0 finished")
         n.kill(1)
         n.wait(30)
+        if p["fault"] in ("cut", "cut@train"):  # node 1 still cut off: the lifecycle goes on without it
+            for step, why in life.run(_committed(roots), life.nodes[:1]).items():
+                res.violations.append(f"step {step} did not reach cold while node 1 was cut off: {why}")
+            res.detail["cold_while_cut"] = {s: life.part_states[s] for s in sorted(life.done)}
         net.link_up(1)
         net.unthrottle(1)
         finished = rc0 == 0 and all(read_latest(os.path.join(r, RUN)) == STEPS for r in roots)
         if p["fault"] == "cut" and rc0 == 0:
             res.violations.append("node 0 finished although node 1 was cut off in the commit")
-        newest = max((s for r in roots for s in committed_steps(os.path.join(r, RUN))), default=None)
+        newest = max(_committed(roots), default=None)
         res.detail["newest_committed"] = newest
         if p["fault"] == "cut":
             want = HELD_STEP if named is None else EVERY
