@@ -20,13 +20,16 @@ Never imported by the library (trainer, tasks, flows); only standard library at 
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Mapping
@@ -774,8 +777,10 @@ class NetNodes:
 
     Faults act on the node's bridge port, as a switch's would: :meth:`link_down` /
     :meth:`link_up` (the node's own interface stays up; its packets go nowhere), and
-    :meth:`throttle` (``tc``'s token bucket, ``tbf``, both ways; this kernel has no ``netem``,
-    so there is no delay or loss queue: a throttled link is slow, a link down loses everything).
+    :meth:`throttle` (``tc``'s token bucket, ``tbf``, both ways). This kernel has no ``netem``:
+    a node in ``relay`` reaches its bridge port through a namespace ``<name>-r<i>`` where a
+    userspace relay (``ckptflow.netrelay``) forwards every frame, and :meth:`impair` sets its
+    delay and loss.
 
     Every name carries this process's id, and a new harness first removes the namespaces of
     harnesses whose process is gone (:func:`remove_stale_namespaces`: SIGKILLed, no clean-up
@@ -786,13 +791,15 @@ class NetNodes:
     SUBNET = "10.77.0"
     LINK = "eth0"
 
-    def __init__(self, n: int, *, name: str | None = None) -> None:
+    def __init__(self, n: int, *, name: str | None = None, relay: tuple[int, ...] = ()) -> None:
         if os.geteuid() != 0:
             raise HarnessError("network namespaces need root (ip netns add); run the harness as root")
         self.n = n
         self.name = name or f"ckf{os.getpid()}x{random.randrange(1 << 16):04x}"
         self.bridge_ns = f"{self.name}-br"
         self.made: list[str] = []
+        self.relays: dict[int, subprocess.Popen] = {}
+        self._ctl = tempfile.mkdtemp(prefix=f"{self.name}-relay-")
         remove_stale_namespaces()  # a harness SIGKILLed earlier ran no clean-up
         atexit.register(self.close)
         try:
@@ -802,20 +809,42 @@ class NetNodes:
             for i in range(n):
                 ns = self.ns(i)
                 self._add(ns)
-                _ip(
-                    "link",
-                    "add",
-                    self.LINK,
-                    "netns",
-                    ns,
-                    "type",
-                    "veth",
-                    "peer",
-                    "name",
-                    f"n{i}",
-                    "netns",
-                    self.bridge_ns,
-                )
+                if i in relay:  # node -- relay namespace -- bridge port
+                    r = f"{self.name}-r{i}"
+                    self._add(r)
+                    _ip("link", "add", self.LINK, "netns", ns, "type", "veth", "peer", "name", "ra", "netns", r)
+                    _ip(
+                        "link",
+                        "add",
+                        "rb",
+                        "netns",
+                        r,
+                        "type",
+                        "veth",
+                        "peer",
+                        "name",
+                        f"n{i}",
+                        "netns",
+                        self.bridge_ns,
+                    )
+                    for dev in ("ra", "rb"):
+                        self._in(r, "ip", "link", "set", dev, "promisc", "on", "up")
+                    self._start_relay(i, r)
+                else:
+                    _ip(
+                        "link",
+                        "add",
+                        self.LINK,
+                        "netns",
+                        ns,
+                        "type",
+                        "veth",
+                        "peer",
+                        "name",
+                        f"n{i}",
+                        "netns",
+                        self.bridge_ns,
+                    )
                 self._in(ns, "ip", "addr", "add", f"{self.addr(i)}/24", "dev", self.LINK)
                 self._in(ns, "ip", "link", "set", self.LINK, "up")
                 self._in(self.bridge_ns, "ip", "link", "set", f"n{i}", "master", "br0")
@@ -864,6 +893,30 @@ class NetNodes:
         for ns, dev in ((self.ns(i), self.LINK), (self.bridge_ns, f"n{i}")):
             subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"], capture_output=True)
 
+    def _start_relay(self, i: int, ns: str) -> None:
+        self.impair(i)
+        p = subprocess.Popen(
+            ["ip", "netns", "exec", ns, sys.executable, "-m", "ckptflow.netrelay", "ra", "rb", self._ctl_path(i)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.relays[i] = p
+        line = p.stdout.readline() if p.stdout is not None else ""
+        if "relay up" not in line:
+            raise HarnessError(f"the relay of node {i} did not start: {line}")
+
+    def _ctl_path(self, i: int) -> str:
+        return os.path.join(self._ctl, f"node{i}.json")
+
+    def impair(self, i: int, *, delay_ms: float = 0.0, loss: float = 0.0) -> None:
+        """Node ``i``'s relay (``relay=`` at construction): every frame held ``delay_ms`` each way and dropped
+        with probability ``loss``, from within 50 ms on; no arguments: a clean link again."""
+        tmp = self._ctl_path(i) + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"delay_ms": delay_ms, "loss": loss}, f)
+        os.replace(tmp, self._ctl_path(i))
+
     def _add(self, ns: str) -> None:
         _ip("netns", "add", ns)
         self.made.append(ns)
@@ -873,7 +926,12 @@ class NetNodes:
         _ip("netns", "exec", ns, *cmd)
 
     def close(self) -> None:
-        """Delete every namespace this object made (their veth links go with them)."""
+        """Stop the relays, delete every namespace this object made (their veth links go with them)."""
+        for p in self.relays.values():
+            p.kill()
+            p.wait(30)
+        self.relays.clear()
+        shutil.rmtree(self._ctl, ignore_errors=True)
         for ns in reversed(self.made):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
         self.made.clear()
@@ -895,7 +953,7 @@ def namespaces(prefix: str = "ckf") -> list[str]:
     """This harness's network namespaces on the machine (any process's)."""
     r = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30)
     names = [ln.split()[0] for ln in r.stdout.splitlines() if ln.strip()]
-    return [n for n in names if re.fullmatch(rf"{prefix}\d+x[0-9a-f]{{4}}-(br|n\d+)", n)]
+    return [n for n in names if re.fullmatch(rf"{prefix}\d+x[0-9a-f]{{4}}-(br|[nr]\d+)", n)]
 
 
 def remove_stale_namespaces(prefix: str = "ckf") -> list[str]:

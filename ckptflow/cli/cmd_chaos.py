@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import sys
 from pathlib import Path
 
@@ -113,6 +114,8 @@ def chaos(
         prefect_share=prefect_share,
         timeout_s=timeout,
     )
+    # SIGTERM behaves like Ctrl-C: trials' processes are stopped and their namespaces and servers removed.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     rep = run_campaign(opts, say=lambda m: say(f"  {m}"), on_result=progress)
     if as_json:
         print(json.dumps(rep.to_dict(), indent=1, default=str))

@@ -8,7 +8,10 @@ with a save every 4 on node-local roots, every shard replicated to the other nod
   then node 1's link taken down (before the decision nothing commits; after it every node does);
 * ``cut@train``: node 1's link taken down at a random moment after step 4 committed, nothing held;
 * ``flap``: node 1's link down and up again two to four times from the start of step 8's replication;
-* ``throttle``: node 1's link at a few mbit (``tc tbf``) for the whole run; every save must still commit.
+* ``throttle``: node 1's link at a few mbit (``tc tbf``) for the whole run; every save must still commit;
+* ``delay`` / ``loss``: node 1's frames held 5-50 ms each way, or 1-10 % of them dropped, by the userspace relay
+  node 1 reaches the bridge through (``ckptflow.netrelay``: the kernel has no ``netem``), from the start of step 8's
+  replication to the end of the run; every save must still commit.
 
 Checked: node 0 ends within its timeouts after the fault (``--timeout-s`` + ``--ckpt-timeout-s`` + a margin), never
 hangs; a commit that fails before the decision names the node and the phase; every 0.1 s, each node's ``latest``
@@ -46,7 +49,9 @@ MARGIN_S = 15.0
 """What node 0 may take past both timeouts to exit (its agent tearing the workers down)."""
 PHASES = {"replicate": "phase 4-5, replication", "after_part": "phase 6-7, the decision", "decided": None}
 """Where a held cut happens, and what node 0's error must name (after the decision: the commit succeeded)."""
-FAULTS = ("cut", "cut", "cut", "cut@train", "flap", "throttle")
+FAULTS = ("cut", "cut", "cut", "cut@train", "flap", "throttle", "delay", "loss")
+IMPAIRED = ("throttle", "delay", "loss")
+"""Faults every save must survive: node 0 finishes the run."""
 
 
 def plan(rng: random.Random, camp: Campaign | None) -> dict:
@@ -63,6 +68,10 @@ def plan(rng: random.Random, camp: Campaign | None) -> dict:
             "down_s": [round(rng.uniform(0.2, 3.0), 2) for _ in range(k)],
             "up_s": [round(rng.uniform(0.2, 1.0), 2) for _ in range(k)],
         }
+    if fault == "delay":
+        return {"fault": "delay", "ms": rng.choice([5, 20, 50])}
+    if fault == "loss":
+        return {"fault": "loss", "pct": rng.choice([1, 5, 10])}
     return {"fault": "throttle", "rate": rng.choice(["5mbit", "20mbit", "50mbit"])}
 
 
@@ -128,13 +137,18 @@ def run(camp: Campaign, tp: TrialPlan) -> TrialResult:
     if os.geteuid() != 0:
         raise RuntimeError("the net kind needs root (network namespaces)")
     p = tp.params
-    label = {"cut": f"link cut at {p.get('phase')}@{HELD_STEP}", "cut@train": "link cut while training"}.get(
-        p["fault"], f"link flapping {p.get('times')}x" if p["fault"] == "flap" else f"link at {p.get('rate')}"
-    )
+    label = {
+        "cut": f"link cut at {p.get('phase')}@{HELD_STEP}",
+        "cut@train": "link cut while training",
+        "flap": f"link flapping {p.get('times')}x",
+        "throttle": f"link at {p.get('rate')}",
+        "delay": f"link delayed {p.get('ms')} ms each way",
+        "loss": f"link losing {p.get('pct')}% of frames",
+    }[p["fault"]]
     res = TrialResult(tp.index, "net", label, p)
     tdir = camp.trial_dir(tp.index, "net")
     roots = [os.path.join(tdir, f"node{i}") for i in range(2)]
-    with NetNodes(2) as net:
+    with NetNodes(2, relay=(1,)) as net:  # node 1 through a relay: delay and loss, when the fault asks
         mine = [n for n in namespaces() if n.startswith(net.name)]
         baseline = _baseline(camp, net)
         watch = _Watch(roots)
@@ -187,7 +201,7 @@ def _trial(
     env: dict[str, str] = {}
     if p["fault"] == "cut":
         env = {faults.ENV: f"{p['phase']}@{HELD_STEP}:sleep3", faults.MARKS: marks}
-    elif p["fault"] == "flap":
+    elif p["fault"] in ("flap", "delay", "loss"):
         env = {faults.ENV: f"replicate@{HELD_STEP}:sleep1", faults.MARKS: marks}
     with NodeAgents(roots, _args("--step-sleep", "0.2", *timeouts), log_dir=os.path.join(tdir, "logs"), net=net) as n:
         if p["fault"] == "throttle":
@@ -195,7 +209,7 @@ def _trial(
         n.start(env=env)
         deadline = time.monotonic() + camp.opts.timeout_s
         alive = lambda: all(x is not None and x.poll() is None for x in n.procs)  # noqa: E731
-        if p["fault"] in ("cut", "flap"):  # both nodes held at the phase
+        if env:  # both nodes held at the phase
             while len(os.listdir(marks)) < 2 and alive() and time.monotonic() < deadline:
                 time.sleep(0.05)
             if len(os.listdir(marks)) < 2:
@@ -217,9 +231,12 @@ def _trial(
                 net.link_up(1)
                 res.injected += 1
                 time.sleep(up)
+        elif p["fault"] in ("delay", "loss"):  # from step 8's replication to the end of the run
+            net.impair(1, delay_ms=p.get("ms", 0), loss=p.get("pct", 0) / 100)
+            res.injected = 1
         elif p["fault"] == "throttle":
             res.injected = 1
-        limit = TIMEOUT_S + CKPT_TIMEOUT_S + MARGIN_S + (0 if p["fault"] != "throttle" else camp.opts.timeout_s)
+        limit = TIMEOUT_S + CKPT_TIMEOUT_S + MARGIN_S + (camp.opts.timeout_s if p["fault"] in IMPAIRED else 0)
         assert n.procs[0] is not None
         try:
             rc0: int | None = n.procs[0].wait(limit)
@@ -231,11 +248,11 @@ def _trial(
         named = PHASES.get(p.get("phase", ""))
         if p["fault"] == "cut" and named and not ("was not committed: node " in said and named in said):
             res.violations.append(f"node 0's failure does not name the node and {named!r}")
-        if p["fault"] == "throttle" and rc0 != 0:
-            res.violations.append(f"a throttled link failed the run (exit {rc0}); every save should commit")
+        if p["fault"] in IMPAIRED and rc0 != 0:
+            res.violations.append(f"a {p['fault']} link failed the run (exit {rc0}); every save should commit")
         # A run the fault did not end, on a link that is up: node 1 finishes its own commit and exits. (Behind a
         # cut link its agent cannot reach the rendezvous host to exit: it is replaced by the restart below.)
-        if rc0 == 0 and p["fault"] in ("flap", "throttle") and n.procs[1] is not None:
+        if rc0 == 0 and p["fault"] in ("flap", *IMPAIRED) and n.procs[1] is not None:
             try:
                 n.procs[1].wait(60)
             except subprocess.TimeoutExpired:
@@ -248,6 +265,7 @@ def _trial(
             res.detail["cold_while_cut"] = {s: life.part_states[s] for s in sorted(life.done)}
         net.link_up(1)
         net.unthrottle(1)
+        net.impair(1)
         finished = rc0 == 0 and all(read_latest(os.path.join(r, RUN)) == STEPS for r in roots)
         if p["fault"] == "cut" and rc0 == 0:
             res.violations.append("node 0 finished although node 1 was cut off in the commit")
