@@ -95,7 +95,8 @@ class CheckpointManager:
         self.run_path = os.path.abspath(layout.run_dir(cfg.root, cfg.run_id))
         self.last_load: LoadResult | None = None
         self._code_version = provenance.code_version or code_version()
-        self._sender = events.EventSender() if cfg.emit_events else events.EventSender(api_url="")
+        # api_url None: PREFECT_API_URL; "": events off
+        self._sender = events.EventSender(None if cfg.emit_events else "", exit_budget_s=cfg.event_exit_budget_s)
         self._saver: AsyncSaver | None = None
         self._timings: list = []
         self._hook = None

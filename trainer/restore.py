@@ -120,7 +120,7 @@ def _resume_nodes(r: Resume, state: TrainState, load: Callable[[str, Manifest], 
         md = read_dcp_metadata(step_dir)  # what files_read parses anyway; also sizes the optimizer's state
         return files_read(step_dir, load_target(manifest, env=env, state=state, metadata=md), md)
 
-    rep = resume_point(r.run_path, topo, env.ckpt_group, needs=needs)
+    rep = resume_point(r.run_path, topo, env.ckpt_group, needs=needs, timeout_s=env.ckpt_timeout_s)
     if env.rank == 0:
         for step, why in rep.skipped:
             log.warning("resume: skipping %s: %s", step, why)
