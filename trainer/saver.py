@@ -44,8 +44,11 @@ from ckptflow.trainer.dcp.writer import HashingWriter
 from ckptflow.trainer.errors import SaveError
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.format.checksum import digest_file
+from ckptflow.trainer.format.commit import commit_checkpoint
 from ckptflow.trainer.format.manifest import FileEntry, Manifest
+from ckptflow.trainer.fsutil import remove_tree
 from ckptflow.trainer.nodes.topology import Topology, single
+from ckptflow.trainer.nodes.twolevel import PLACEMENT, NodeSave, placement
 
 log = logging.getLogger(__name__)
 
@@ -401,9 +404,6 @@ class AsyncSaver:
 
     def _commit_nodes(self, gathered: list | None, req: SaveRequest, timing: SaveTiming) -> None:
         """Node-local roots: the two-level commit of ``trainer/nodes/twolevel.py``, phases 3-8."""
-        from ckptflow.trainer.format.manifest import Manifest
-        from ckptflow.trainer.nodes.twolevel import NodeSave
-
         ns = NodeSave(self.topology, req.run_path, req.step, self.group, timeout_s=self.timeout_s)
         box: list = [None]
         if self.rank == 0:
@@ -455,8 +455,6 @@ class AsyncSaver:
 
     def _build_node_manifest(self, gathered: list, req: SaveRequest) -> tuple:
         """Rank 0, node-local roots: the manifest with its placement, and ``.metadata``'s bytes."""
-        from ckptflow.trainer.nodes.twolevel import PLACEMENT, placement
-
         files, problem, owners = self._checked_files(gathered)
         if files is None:
             return "failed", problem
@@ -471,8 +469,6 @@ class AsyncSaver:
 
     def _coordinate(self, gathered: list, req: SaveRequest) -> tuple[str, Any]:
         """Rank 0, one shared root: build the manifest from every rank's entries and commit."""
-        from ckptflow.trainer.format.commit import commit_checkpoint  # local: keeps import graph flat
-
         files, problem, _ = self._checked_files(gathered)
         if files is None:
             self._discard_tmp(req)
@@ -493,8 +489,6 @@ class AsyncSaver:
     @staticmethod
     def _discard_tmp(req: SaveRequest) -> None:
         # Every rank has finished writing (all reached the gather), so the partial dir can go now.
-        from ckptflow.trainer.fsutil import remove_tree
-
         try:
             remove_tree(os.path.join(req.run_path, layout.tmp_name(req.step)))
         except OSError as e:

@@ -42,8 +42,9 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ckptflow.trainer import faults
 from ckptflow.trainer.errors import CheckpointNotFoundError, CkptflowError, IntegrityError
-from ckptflow.trainer.format import layout
+from ckptflow.trainer.format import commit, layout
 from ckptflow.trainer.format.atomicity import RENAME
 from ckptflow.trainer.format.checksum import hash_bytes
 from ckptflow.trainer.format.manifest import MAX_MANIFEST_BYTES, Manifest
@@ -51,6 +52,7 @@ from ckptflow.trainer.fsutil import fsync_dir, remove_tree, write_durable
 from ckptflow.trainer.nodes import transport
 from ckptflow.trainer.nodes.topology import Topology
 from ckptflow.trainer.nodes.transport import Transfer
+from ckptflow.trainer.verify import check_file, verify_checkpoint
 
 __all__ = [
     "NodeResume",
@@ -129,8 +131,6 @@ class NodeSave:
 
     def replicate(self, manifest: Manifest) -> list[str]:
         """Phase 4; returns this rank's problems (the caller gathers everyone's)."""
-        from ckptflow.trainer import faults
-
         faults.maybe_crash("replicate", self.step)
         plan = replication_plan(self.topo, manifest)
         problems, self.replicated_bytes = transport.run(
@@ -145,8 +145,6 @@ class NodeSave:
 
     def prepare(self, manifest_bytes: bytes, metadata: bytes) -> list[str]:
         """Phase 6 (node leaders): ``.metadata`` then ``manifest.json``, durable; the part is prepared."""
-        from ckptflow.trainer import faults
-
         if not self.topo.is_leader:
             return []
         try:
@@ -169,9 +167,6 @@ class NodeSave:
 
     def commit(self) -> str:
         """Phase 8 (node leaders): the node's commit point, then ``latest``."""
-        from ckptflow.trainer import faults
-        from ckptflow.trainer.format import commit
-
         final = layout.join(self.run_path, layout.step_name(self.step))
         if not self.topo.is_leader:
             return final
@@ -228,8 +223,6 @@ def recover(run_path: str, topo: Topology, group: Any) -> dict[str, Any]:
     committed_anywhere = {s for d in topo.domains for s in facts[d[0]]["committed"]}
     out: dict[str, Any] = {"rolled_forward": [], "removed": []}
     if topo.is_leader:
-        from ckptflow.trainer.format import commit
-
         prepared, other = _prepared(run_path)
         for s in prepared:
             if s in committed_anywhere and not RENAME.is_committed(run_path, s):
@@ -276,8 +269,6 @@ class NodeResume:
 
 def _holdings(run_path: str, key: bytes | None) -> dict[int, dict[str, Any]]:
     """Per committed step on this node: its manifest's digest and the files present (by size)."""
-    from ckptflow.trainer.format import commit
-
     out: dict[int, dict[str, Any]] = {}
     for s in RENAME.committed_steps(run_path):
         d = os.path.join(run_path, layout.step_name(s))
@@ -349,9 +340,6 @@ def resume_point(
     """Agree on the newest recoverable step, bring every node what its ranks will read, verify it (module
     docstring). ``needs(step_dir, manifest)`` -> the files this rank's load reads (its DCP load plan);
     called once ``.metadata`` is local and verified."""
-    from ckptflow.trainer.format import commit
-    from ckptflow.trainer.verify import verify_checkpoint
-
     world = dist.get_world_size(group)
     exclude: set[tuple[int, str]] = set()
     for _attempt in range(4):  # each retry drops at least one bad copy; 4 is plenty
@@ -443,8 +431,6 @@ def resume_point(
 
 def _needs_checked(step_dir: str, manifest: Manifest, needs: Callable[[str, Manifest], set[str]]) -> set[str]:
     """This rank's load plan, computed only after ``.metadata`` matched its manifest digest."""
-    from ckptflow.trainer.verify import check_file
-
     e = manifest.files[layout.DCP_METADATA]
     p = check_file(step_dir, layout.DCP_METADATA, e.size, e.checksum)
     if p is not None:
