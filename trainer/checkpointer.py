@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ckptflow.trainer import events
 from ckptflow.trainer.config import CheckpointConfig, Provenance, SanitySpec, Stateful, code_version
-from ckptflow.trainer.distenv import DistEnv, init_distributed
+from ckptflow.trainer.distenv import DistEnv, gather, init_distributed
 from ckptflow.trainer.errors import ConfigError, SaveError
 from ckptflow.trainer.format import commit, layout
 from ckptflow.trainer.format.manifest import FileEntry, Manifest
@@ -56,8 +56,7 @@ def _agree(cfg: CheckpointConfig, env: DistEnv) -> None:
         cfg.replicas,
         (cfg.mtbf_hours, cfg.auto_first_interval, cfg.auto_min_interval, cfg.auto_max_interval),
     )
-    every: list[Any] = [None] * env.world_size
-    dist.all_gather_object(every, mine, group=env.ckpt_group)
+    every = gather(mine, env.ckpt_group)
     if any(e != every[0] for e in every):
         diff = {r: e for r, e in enumerate(every) if e != every[0]}
         raise ConfigError(
@@ -308,10 +307,7 @@ class CheckpointManager:
         ref, self._next_ref = self._next_ref, None
         if ref is None or self.sanity is None:
             return
-        pending = [not ref.done()]
-        if self.env.world_size > 1:
-            pending = [None] * self.env.world_size  # type: ignore[list-item]
-            dist.all_gather_object(pending, not ref.done())
+        pending = gather(not ref.done(), None) if self.env.world_size > 1 else [not ref.done()]
         if any(pending):
             loss = self.sanity.probe_fn()
             ref.settle(fixed_batch_record(loss, self.sanity.probe_tokens, "live_model_at_close"))

@@ -28,8 +28,7 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import torch.distributed as dist
-
+from ckptflow.trainer.distenv import gather
 from ckptflow.trainer.optimum import availability, exact_interval
 
 __all__ = ["AutoInterval", "CHANGE", "Decision", "INTERVAL_LOG", "MIN_STALL_S", "Measured"]
@@ -116,10 +115,7 @@ class AutoInterval:
 
     def plan(self, step: int, timings: list[Any]) -> Decision | None:
         mine = self.measured(timings)
-        every: list[Any] = [asdict(mine)]
-        if self.world > 1:
-            every = [None] * self.world
-            dist.all_gather_object(every, asdict(mine), group=self.group)
+        every = gather(asdict(mine), self.group) if self.world > 1 else [asdict(mine)]
         agreed = {k: _max(e[k] for e in every) for k in ("step_s", "stall_s", "persist_s")}
         d = self._decide(step, agreed["step_s"], agreed["stall_s"], agreed["persist_s"])
         if d is not None:

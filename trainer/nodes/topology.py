@@ -26,8 +26,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed as dist
-
+from ckptflow.trainer.distenv import gather
 from ckptflow.trainer.errors import ConfigError
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.fsutil import replace_atomic
@@ -130,12 +129,10 @@ def discover(root: str, run_path: str, *, rank: int, world: int, group: Any, req
     with open(path, "w") as f:
         f.write(socket.gethostname())
     try:
-        tokens: list[Any] = [None] * world
-        dist.all_gather_object(tokens, token, group=group)
+        tokens = gather(token, group)
         present = set(os.listdir(scope_dir))
         seen = sorted(r for r, t in enumerate(tokens) if t in present)
-        seen_by: list[Any] = [None] * world
-        dist.all_gather_object(seen_by, seen, group=group)
+        seen_by = gather(seen, group)
     finally:
         try:
             os.unlink(path)  # every rank has listed (the all-gather above): safe to remove
@@ -153,8 +150,7 @@ def discover(root: str, run_path: str, *, rank: int, world: int, group: Any, req
         return single(rank, world)  # one root: no node ids needed (and none written)
     me = next(i for i, d in enumerate(domains) if rank in d)
     mine = node_id(root) if rank == domains[me][0] else None
-    ids: list[Any] = [None] * world
-    dist.all_gather_object(ids, mine, group=group)
+    ids = gather(mine, group)
     node_ids = tuple(str(ids[d[0]]) for d in domains)
     if len(set(node_ids)) != len(node_ids):
         raise ConfigError(

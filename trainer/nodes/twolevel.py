@@ -43,6 +43,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ckptflow.trainer import faults
+from ckptflow.trainer.distenv import gather
 from ckptflow.trainer.errors import CheckpointNotFoundError, CkptflowError, IntegrityError
 from ckptflow.trainer.format import commit, layout
 from ckptflow.trainer.format.atomicity import RENAME
@@ -160,10 +161,7 @@ class NodeSave:
 
     def decide(self, problems: list[str]) -> list[str]:
         """Phase 7: every rank's problems, gathered — the one value every rank branches on."""
-        world = dist.get_world_size(self.group)
-        allp: list[Any] = [None] * world
-        dist.all_gather_object(allp, problems, group=self.group)
-        return [p for ps in allp for p in ps]
+        return [p for ps in gather(problems, self.group) for p in ps]
 
     def commit(self) -> str:
         """Phase 8 (node leaders): the node's commit point, then ``latest``."""
@@ -218,8 +216,7 @@ def recover(run_path: str, topo: Topology, group: Any) -> dict[str, Any]:
     if topo.is_leader:
         prepared, _ = _prepared(run_path)
         mine = {"committed": RENAME.committed_steps(run_path), "prepared": prepared}
-    facts: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(facts, mine, group=group)
+    facts = gather(mine, group)
     committed_anywhere = {s for d in topo.domains for s in facts[d[0]]["committed"]}
     out: dict[str, Any] = {"rolled_forward": [], "removed": []}
     if topo.is_leader:
@@ -340,12 +337,10 @@ def resume_point(
     """Agree on the newest recoverable step, bring every node what its ranks will read, verify it (module
     docstring). ``needs(step_dir, manifest)`` -> the files this rank's load reads (its DCP load plan);
     called once ``.metadata`` is local and verified."""
-    world = dist.get_world_size(group)
     exclude: set[tuple[int, str]] = set()
     for _attempt in range(4):  # each retry drops at least one bad copy; 4 is plenty
-        facts: list[Any] = [None] * world
         mine = (_holdings(run_path, key), commit.read_latest(run_path)) if topo.is_leader else None
-        dist.all_gather_object(facts, mine, group=group)
+        facts = gather(mine, group)
         nodes = [facts[d[0]][0] for d in topo.domains]
         latest = facts[topo.leader][1]
         step, skipped = _choose(topo, nodes, exclude)
@@ -391,8 +386,7 @@ def resume_point(
             write_durable(os.path.join(stage, layout.MANIFEST), box[0])
         dist.barrier(group=group)
         mine_needs = _needs_checked(stage, manifest, needs)
-        all_needs: list[Any] = [None] * world
-        dist.all_gather_object(all_needs, sorted(mine_needs), group=group)
+        all_needs = gather(sorted(mine_needs), group)
         per_node = {
             i: {f for r in dom for f in all_needs[r]} | {layout.DCP_METADATA} for i, dom in enumerate(topo.domains)
         }
@@ -407,9 +401,7 @@ def resume_point(
         mine_v = sorted(per_node[topo.domain])[local.index(topo.rank) :: len(local)]
         res = verify_checkpoint(d, only=mine_v, key=key)
         bad = [(topo.domain, str(p.path).rsplit("/", 1)[-1], str(p)) for p in res.problems]
-        allbad: list[Any] = [None] * world
-        dist.all_gather_object(allbad, bad, group=group)
-        flat = [b for bs in allbad for b in bs]
+        flat = [b for bs in gather(bad, group) for b in bs]
         if not flat:
             return out
         for node, name, why in flat:
@@ -479,10 +471,7 @@ def _fetch(
         dest_dir=lambda n: stage,
         timeout_s=timeout_s,
     )
-    world = dist.get_world_size(group)
-    allp: list[Any] = [None] * world
-    dist.all_gather_object(allp, problems, group=group)
-    flat = [p for ps in allp for p in ps]
+    flat = [p for ps in gather(problems, group) for p in ps]
     if not flat:
         for t in plan:
             present[topo.domain_of(t.dst)].add(t.name)
