@@ -238,14 +238,7 @@ class AsyncSaver:
         upload_job: Callable[[], None] | None = None  # DCP's save, to run on the lane first
         if self.mode == "sync":
             try:
-                upload.set_result(
-                    dcp.save(
-                        state,
-                        storage_writer=writer,
-                        process_group=self.group,
-                        planner=canonical_planner(self._plan_key),
-                    )
-                )
+                upload.set_result(self._dcp_save(state, writer))
             except BaseException as e:  # DCP's CheckpointException derives from BaseException
                 if isinstance(e, (KeyboardInterrupt, SystemExit)):
                     raise
@@ -270,14 +263,15 @@ class AsyncSaver:
     def _upload(self, staging: Future, writer: _FaultingWriter, upload: Future) -> None:
         """DCP's save of the staged copy (on the lane, once staging is done); its outcome goes into ``upload``."""
         try:
-            copy = staging.result()
-            upload.set_result(
-                dcp.save(
-                    copy, storage_writer=writer, process_group=self.group, planner=canonical_planner(self._plan_key)
-                )
-            )
+            upload.set_result(self._dcp_save(staging.result(), writer))
         except BaseException as e:  # DCP's CheckpointException derives from BaseException
             upload.set_exception(e)  # the commit reports it as a SaveError
+
+    def _dcp_save(self, state: dict[str, Any], writer: _FaultingWriter) -> Any:
+        """DCP's save on the checkpoint group, with this saver's cached plans; returns DCP's metadata."""
+        return dcp.save(
+            state, storage_writer=writer, process_group=self.group, planner=canonical_planner(self._plan_key)
+        )
 
     def wait_for_staging(self) -> None:
         """Block until the staged copy exists (call before mutating model/optimizer state)."""
@@ -431,11 +425,8 @@ class AsyncSaver:
         final = ns.commit()
         timing.bytes = manifest.total_bytes
         timing.extra["replicated_bytes"] = ns.replicated_bytes
-        if self.rank == 0 and req.on_committed is not None:
-            try:
-                req.on_committed(manifest, final)
-            except Exception as e:  # committed is committed; reconcile finds it on storage
-                log.warning("step %d committed but its outbox/event failed: %r", req.step, e)
+        if self.rank == 0:
+            self._announce(req, manifest, final)
 
     def _checked_files(self, gathered: list) -> tuple[dict[str, FileEntry] | None, str, dict[str, int]]:
         """Every rank's entries merged, or why not: (files, problem, file -> the rank that wrote it)."""
@@ -479,12 +470,18 @@ class AsyncSaver:
         except Exception as e:
             self._discard_tmp(req)
             return "failed", f"commit: {e!r}"
-        if req.on_committed is not None:
-            try:
-                req.on_committed(manifest, final)
-            except Exception as e:  # committed is committed; reconcile finds it on storage
-                log.warning("step %d committed but its outbox/event failed: %r", req.step, e)
+        self._announce(req, manifest, final)
         return "ok", manifest.total_bytes
+
+    @staticmethod
+    def _announce(req: SaveRequest, manifest: Manifest, final: str) -> None:
+        """Rank 0, after the commit: ``req.on_committed`` (outbox line, event)."""
+        if req.on_committed is None:
+            return
+        try:
+            req.on_committed(manifest, final)
+        except Exception as e:  # committed is committed; reconcile finds it on storage
+            log.warning("step %d committed but its outbox/event failed: %r", req.step, e)
 
     @staticmethod
     def _discard_tmp(req: SaveRequest) -> None:

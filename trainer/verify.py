@@ -94,16 +94,11 @@ def check_present(ckpt_dir: str, name: str, size: int) -> Problem | None:
 
 
 def check_file(ckpt_dir: str, name: str, size: int, checksum: str) -> Problem | None:
-    try:
-        path = resolve_member(ckpt_dir, name)
-    except UnsafePathError as e:
-        return Problem(os.path.join(ckpt_dir, name), str(e))
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return Problem(path, "missing")
-    if st.st_size != size:
-        return Problem(path, f"size {st.st_size} != {size} in the manifest (truncated or replaced)")
+    """:func:`check_present`, then the file's xxh3-128 against the manifest's."""
+    problem = check_present(ckpt_dir, name, size)
+    if problem is not None:
+        return problem
+    path = os.path.join(ckpt_dir, *name.split("/"))  # what resolve_member returned, having checked it
     digest, n = hash_file(path)
     if n != size:
         return Problem(path, f"changed while being read ({n} bytes read, {size} expected)")

@@ -169,14 +169,7 @@ class NodeSave:
         if not self.topo.is_leader:
             return final
         faults.maybe_crash("decided", self.step)
-        if RENAME.is_committed(self.run_path, self.step):
-            log.warning("%s already committed; discarding the duplicate save in %s", final, self.tmp)
-            remove_tree(self.tmp)
-        else:
-            RENAME.commit(self.run_path, self.step)
-        faults.maybe_crash("after_rename", self.step)
-        commit.write_latest(self.run_path, self.step)
-        faults.maybe_crash("after_latest", self.step)
+        commit.rename_then_latest(self.run_path, self.step)
         return final
 
     def discard(self) -> None:
