@@ -155,8 +155,6 @@ class EventSender:
         self.attempt_timeout_s = attempt_timeout_s
         self.attempts = attempts
         self.exit_budget_s = exit_budget_s
-        self.sent = 0
-        self.failed = 0
         self._q: queue.Queue[dict | None] = queue.Queue()
         self._thread: threading.Thread | None = None
 
@@ -179,11 +177,9 @@ class EventSender:
             for i in range(self.attempts):
                 try:
                     post_events(self.api_url, [ev], timeout_s=self.attempt_timeout_s, api_key=self.api_key)
-                    self.sent += 1
                     break
                 except Exception as e:  # any failure: retry, then leave it to the outbox
                     if i == self.attempts - 1:
-                        self.failed += 1
                         # never log the URL's query or credentials; the host is enough
                         log.warning(
                             "event %s not delivered (%s); the outbox keeps it for reconcile",

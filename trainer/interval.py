@@ -73,13 +73,14 @@ class AutoInterval:
         first: int,
         min_steps: int = 1,
         max_steps: int = 1_000_000,
-        restore_s: float = 0.0,
         rank: int = 0,
         world: int = 1,
         group: Any = None,
         run_path: str | None = None,
     ) -> None:
-        self.mtbf_s, self.min_steps, self.max_steps, self.restore_s = mtbf_s, min_steps, max_steps, restore_s
+        self.mtbf_s, self.min_steps, self.max_steps = mtbf_s, min_steps, max_steps
+        self.restore_s = 0.0
+        """The last resume's seconds (set by the manager after its load): the restart cost in ``expected_effective``."""
         self.rank, self.world, self.group, self.run_path = rank, world, group, run_path
         self.interval = min(max(first, min_steps), max_steps)
         self.next_due = self.interval

@@ -26,7 +26,6 @@ import math
 import mmap
 import os
 import threading
-import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -99,7 +98,6 @@ class VerifiedReader(FileSystemReader):
         self._stream_of: dict[str, Streamer] = {}
         self._stream_first: set[str] = set()  # cold files located behind their stream
         self.bytes_read = 0
-        self.read_seconds = 0.0
 
     def close(self) -> None:
         """Stop the reader's threads; none touches a destination after this returns."""
@@ -150,7 +148,6 @@ class VerifiedReader(FileSystemReader):
                 readahead(data, info.offset + info.length - RECORD_PAGE, RECORD_PAGE)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        t0 = time.perf_counter()
         # Each item's record looked up once: a MetadataIndex key hashes and compares in Python.
         per_file: dict[str, list[Item]] = {}
         records = self.storage_data
@@ -198,9 +195,8 @@ class VerifiedReader(FileSystemReader):
         finally:
             self.close()  # no thread touches a destination after this returns or raises,
             if sched is not None:
-                sched.settle()  # and no copy to a device is still in flight
+                sched.device.settle()  # and no copy to a device is still in flight
         self.bytes_read += sum(len(m) for m in maps.values())
-        self.read_seconds += time.perf_counter() - t0
         for req, data in byte_items:
             planner.load_bytes(req, io.BytesIO(data))
         for c in copies:
