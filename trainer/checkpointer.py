@@ -1,15 +1,6 @@
-"""``CheckpointManager``: three calls in a training loop.
-
-    ckpt = CheckpointManager(cfg, model=model, optimizer=opt, scheduler=sched, sampler=sampler,
-                             provenance=Provenance(config=train_cfg, data_fingerprint=fp))
-    start = ckpt.load()                      # 0 when starting fresh
-    for step in range(start + 1, max_steps + 1):
-        ...train one step...
-        ckpt.save(step, {"loss": loss, "lr": lr}, force=(step == max_steps))
-    ckpt.close()
-
-The manager owns the interval, the async mode, the commit, resume with fallback, and the commit event. Public
-methods check ``enabled`` once, at the top (``save`` then calls ``_save``), so the guard is in one place.
+"""``CheckpointManager``: three calls in a training loop, ``load()``, ``save(step, metrics)`` after every step and
+``close()`` (README.md, "Add it to your own training loop"). The manager owns the interval, the async mode, the
+commit, resume with fallback and the commit event. See docs/architecture.md, "Training side".
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """``CheckpointConfig(interval="auto")``: the trainer picks its save interval from what it measures.
 
-Measured on every rank from the calls the loop already makes (``save(step)`` once per step):
-
-* **step**: wall time between two consecutive ``save()`` calls where no save happened;
-* **stall**: the extra time of the step right after a save (staging and the optimizer's wait land there),
-  median over recent saves, less the median step;
-* **persist**: save start to committed (``SaveTiming.committed_s`` of finished saves).
-
-At each save it is due to make, every rank all-gathers everyone's numbers (checkpoint group) and takes the
-largest of each (the slowest rank paces a synchronous job), so all ranks compute the same interval and save
-at the same steps. The interval is the exact optimum for stall and MTBF (``trainer.optimum.exact_interval``;
-restore cost does not move it), in whole steps, never fewer than one save in flight allows (the previous save
-must be durable before the next is due), within ``[auto_min_interval, auto_max_interval]``. A change over
-10 % (or forced by the in-flight floor) is applied and logged with its reason by rank 0, to the log and to
-``<run>/interval.jsonl``.
+Per rank, from the ``save(step)`` calls: the step time (between calls without a save), the stall (the extra time of
+the step after a save) and the persist time (save to committed). At each save it is due to make, the ranks all-gather
+these and take the largest of each, so all compute the same interval: ``optimum.exact_interval`` in whole steps,
+never fewer than one save in flight allows, within ``[auto_min_interval, auto_max_interval]``. A change over
+:data:`CHANGE` (or forced by that floor) is applied and logged by rank 0, also to :data:`INTERVAL_LOG`. See
+docs/architecture.md, "Goodput and the interval".
 """
 
 from __future__ import annotations

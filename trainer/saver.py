@@ -1,19 +1,11 @@
 """Asynchronous, sharded saves with one in flight, ending in an atomic commit.
 
-Timeline of one save (``AsyncSaver.submit``), per rank::
-
-  main thread   stage.submit ──(returns once the copy has started)──> training continues
-  stager        copy live tensors into reused CPU buffers (must end before the next optimizer.step)
-  lane          DCP's save of the copy: plan (ckpt group) -> write own shards -> coordinator writes .metadata;
-                then the commit: own files' digests (taken as written) -> gather to rank 0 -> rank 0 commits
-                (manifest, rename, latest, outbox, event) -> broadcast
-
-The stager's thread and the lane are started once, with the saver (``_Lane``), not per save. ``async_staging``
-blocks training a fixed time per save whatever the state size (docs/benchmarks.md); ``sync`` (``dcp.save`` on the
-training thread) blocks for the whole write but keeps no CPU copy of the state, for hosts without the memory for one.
-
-All checkpoint collectives run on a dedicated process group and only from the lane, one save at a time, so every
-rank issues them in the same order and they never interleave with training collectives.
+``AsyncSaver.submit`` returns once the stager has started copying the state into reused CPU buffers (``sync``: once
+DCP's save has run on the training thread, with no CPU copy). One long-lived thread (``_Lane``) runs DCP's save of
+the copy, then the commit: each rank's digests gathered to rank 0, which commits and broadcasts the outcome (on
+node-local roots, the two-level commit of ``nodes/twolevel.py``). Every checkpoint collective runs on the checkpoint
+group, from the lane only, one save at a time: every rank issues them in the same order, never interleaved with
+training's. See docs/architecture.md, "One save, per rank".
 """
 
 from __future__ import annotations

@@ -5,14 +5,12 @@ Call order for one checkpoint of step N (coordinator = rank 0):
 1. all ranks   DCP writes shards and ``.metadata`` into ``step_N.tmp/``; files fsynced
 2. all ranks   each hashes the files it wrote; gathered to the coordinator
 3. coordinator ``manifest.json`` written into ``step_N.tmp/`` and fsynced
-4. coordinator rename ``step_N.tmp`` -> ``step_N``, fsync the run dir   <- commit point
-               (the rename rule of ``trainer.atomicity``, shared with every local tier)
+4. coordinator rename ``step_N.tmp`` -> ``step_N``, fsync the run dir   <- commit point (``atomicity.RENAME``)
 5. coordinator ``latest`` replaced atomically (write, fsync, rename, fsync)
 6. coordinator outbox line appended (fsync), then the event is sent in the background
 
-A crash before 4 leaves only a ``.tmp`` dir, never trusted, removed at the next start. A crash between 4 and
-5 leaves a committed dir newer than ``latest``: resume takes the newest committed checkpoint that verifies
-and repairs ``latest``. ``latest`` therefore always names a complete checkpoint.
+A crash before 4 leaves a ``.tmp`` dir, never trusted; ``latest`` moves only after 4, so it always names a complete
+checkpoint. What a crash at each point leaves: docs/architecture.md, "The commit protocol and what a crash leaves".
 """
 
 from __future__ import annotations

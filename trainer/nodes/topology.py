@@ -1,19 +1,10 @@
 """Which ranks share a hot root: found out at start-up, never assumed.
 
-The same ``--ckpt-root`` path may be one shared file system or each node's own disk, and the commit differs
-(one rank commits a shared root; on node-local roots every node commits its part), so all ranks find out:
-
-1. every rank creates a token file ``<run>/_scope/<rank>.<random>`` on its hot root;
-2. all ranks all-gather their tokens, list the folder, and all-gather whose tokens they see;
-3. "sees" must be an equivalence relation (ranks that see each other share a root, a storage *node*), else
-   the start fails with a clear error: a half-shared file system is a misconfiguration no protocol can fix.
-
-One domain: the root is shared and the single commit applies. Several: node-local roots and the two-level
-commit (``trainer/nodes/twolevel.py``). ``CheckpointConfig(hot_scope=...)`` may say which is expected; what is
-found is checked against it, never taken on trust.
-
-Each node's root keeps a node id (``_node.json``, created once per disk): a replaced node comes back with an
-empty disk and so a new id, which is right, since the data the old id named is gone.
+Every rank drops a token file into ``<run>/_scope/``; the ranks exchange their tokens and which they see. "Sees"
+must be an equivalence relation whose classes are the storage nodes, else the start fails (a half-shared file system
+is a misconfiguration no protocol can fix). One class: one shared root; several: node-local roots and the two-level
+commit (``twolevel.py``). ``CheckpointConfig.hot_scope`` is checked against what is found. Each node's root keeps
+its id in ``_node.json`` (a replaced node's empty disk gets a new one). See docs/architecture.md, "Many nodes".
 """
 
 from __future__ import annotations
