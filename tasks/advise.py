@@ -40,6 +40,7 @@ costs a noticeable share of the MTBF.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 from collections.abc import Iterable, Sequence
@@ -48,15 +49,7 @@ from typing import Any
 
 from ckptflow.trainer.errors import ConfigError
 from ckptflow.trainer.events import read_jsonl
-from ckptflow.trainer.optimum import (  # noqa: F401  (re-exported: the public names of this module)
-    availability,
-    check_costs,
-    daly_interval,
-    exact_interval,
-    waste_exact,
-    waste_first_order,
-    young_interval,
-)
+from ckptflow.trainer.optimum import availability, check_costs, exact_interval  # shared with the trainer
 
 FORMULAS = {
     "young": "T = sqrt(2*S*M)  (Young 1974, first order)",
@@ -66,6 +59,35 @@ FORMULAS = {
     "waste_exact": "W(T) = 1 - A(T)",
 }
 DEFAULT_MULTIPLES = (0.25, 0.5, 1.0, 2.0, 4.0)
+
+
+# ---- Young, Daly, the waste (the exact optimum and availability: trainer/optimum.py) --------
+
+
+def young_interval(save_s: float, mtbf_s: float) -> float:
+    """Young's first-order optimum ``sqrt(2·S·M)`` (minimises :func:`waste_first_order`)."""
+    check_costs(save_s=save_s, mtbf_s=mtbf_s)
+    return math.sqrt(2.0 * save_s * mtbf_s)
+
+
+def daly_interval(save_s: float, mtbf_s: float) -> float:
+    """Daly's higher-order estimate of the exact optimum (``M`` once ``S >= 2M``)."""
+    check_costs(save_s=save_s, mtbf_s=mtbf_s)
+    if save_s >= 2.0 * mtbf_s:
+        return mtbf_s
+    x = save_s / (2.0 * mtbf_s)
+    return math.sqrt(2.0 * save_s * mtbf_s) * (1.0 + math.sqrt(x) / 3.0 + x / 9.0) - save_s
+
+
+def waste_first_order(interval_s: float, save_s: float, restore_s: float, mtbf_s: float) -> float:
+    """``S/T + (T/2 + R)/M``: expected fraction of wall time lost (first order; may exceed 1 for absurd inputs)."""
+    check_costs(interval_s=interval_s, save_s=save_s, restore_s=restore_s, mtbf_s=mtbf_s)
+    return save_s / interval_s + (interval_s / 2.0 + restore_s) / mtbf_s
+
+
+def waste_exact(interval_s: float, save_s: float, restore_s: float, mtbf_s: float) -> float:
+    """``1 − availability``: expected fraction of wall time lost (exact model)."""
+    return 1.0 - availability(interval_s, save_s, restore_s, mtbf_s)
 
 
 # ---- advice --------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Goodput: replay failures against a checkpointing strategy, second by second of wall time.
 
-The closed forms in ``trainer.optimum`` answer "which interval"; this answers "what does the
+The closed forms in ``tasks.advise`` answer "which interval"; this answers "what does the
 whole system deliver", with the parts that make up the rest. A replay is a discrete-event
 simulation of one job, exact for the model below (no sampling inside a replay; only the
 failure times are random, and they come from a seed or a trace file):
@@ -36,8 +36,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ckptflow.tasks.advise import daly_interval, young_interval
 from ckptflow.trainer.errors import ConfigError
-from ckptflow.trainer.optimum import daly_interval, exact_interval, young_interval
+from ckptflow.trainer.optimum import exact_interval
 
 RESTORE_SOURCES = ("hot", "peer", "warm", "cold")
 # The trace shipped with ckptflow: 419 failures in 54 days (Llama 3 405B's unexpected

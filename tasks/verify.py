@@ -11,7 +11,8 @@ The action of the lifecycle's verify stage (``tasks/stages.py`` writes its recor
 ``verified.json`` on a pass, ``quarantined.json`` with the reasons on a fail — then the
 checkpoint is never promoted and the trainer's resume skips it). It writes the
 companions the next checkpoint's expectations compare against (``stats.json``,
-``expectations.json``) beside the records.
+``expectations.json``) beside the records. :func:`verify_parts` checks the nodes' parts of
+one node-local checkpoint together (``ckptflow verify DIR DIR ...``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from ckptflow.tasks.expectations import ExpectationReport
 from ckptflow.trainer import faults
 from ckptflow.trainer.errors import CheckpointNotFoundError
 from ckptflow.trainer.format import layout
-from ckptflow.trainer.verify import verify_checkpoint
+from ckptflow.trainer.verify import VerifyResult, verify_checkpoint
 
 SANITY_MODULE = "ckptflow.tasks.sanity"
 
@@ -263,3 +264,23 @@ def verify(
 def _finish(out: VerifyOutcome, t0: float) -> VerifyOutcome:
     out.seconds = time.perf_counter() - t0
     return out
+
+
+def verify_parts(
+    ckpt_dirs: list[str], *, threads: int = 4, key: bytes | None = None
+) -> tuple[list[VerifyResult], list[str]]:
+    """Several nodes' parts of one checkpoint: each part verifies, all carry the same manifest, together they
+    hold every file. Returns (per part, global problems)."""
+    parts = [verify_checkpoint(d, threads=threads, key=key, part=True) for d in ckpt_dirs]
+    problems: list[str] = []
+    manifests = {r.manifest.to_json(key=b"") if r.manifest else None for r in parts}
+    if None in manifests or len(manifests) != 1:
+        problems.append("the parts do not carry one and the same readable manifest")
+        return parts, problems
+    m = parts[0].manifest
+    assert m is not None  # every part's manifest was read (checked just above)
+    held = {n for r in parts for n in m.files if n not in r.elsewhere}
+    lost = sorted(set(m.files) - held)
+    if lost:
+        problems.append(f"step {m.step}: no part holds {', '.join(lost)}")
+    return parts, problems

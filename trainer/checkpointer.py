@@ -1,15 +1,6 @@
-"""``CheckpointManager``: three calls in a training loop.
-
-    ckpt = CheckpointManager(cfg, model=model, optimizer=opt, scheduler=sched, sampler=sampler,
-                             provenance=Provenance(config=train_cfg, data_fingerprint=fp))
-    start = ckpt.load()                      # 0 when starting fresh
-    for step in range(start + 1, max_steps + 1):
-        ...train one step...
-        ckpt.save(step, {"loss": loss, "lr": lr}, force=(step == max_steps))
-    ckpt.close()
-
-The manager owns the interval, the async mode, the commit, resume with fallback, and the commit event. Public
-methods check ``enabled`` once, at the top (``save`` then calls ``_save``), so the guard is in one place.
+"""``CheckpointManager``: three calls in a training loop, ``load()``, ``save(step, metrics)`` after every step and
+``close()`` (README.md, "Add it to your own training loop"). The manager owns the interval, the async mode, the
+commit, resume with fallback and the commit event. See docs/architecture.md, "Training side".
 """
 
 from __future__ import annotations
@@ -24,7 +15,7 @@ import torch.distributed as dist
 
 from ckptflow.trainer import events
 from ckptflow.trainer.config import CheckpointConfig, Provenance, SanitySpec, Stateful, code_version
-from ckptflow.trainer.distenv import DistEnv, init_distributed
+from ckptflow.trainer.distenv import DistEnv, gather, init_distributed
 from ckptflow.trainer.errors import ConfigError, SaveError
 from ckptflow.trainer.format import commit, layout
 from ckptflow.trainer.format.manifest import FileEntry, Manifest
@@ -56,8 +47,7 @@ def _agree(cfg: CheckpointConfig, env: DistEnv) -> None:
         cfg.replicas,
         (cfg.mtbf_hours, cfg.auto_first_interval, cfg.auto_min_interval, cfg.auto_max_interval),
     )
-    every: list[Any] = [None] * env.world_size
-    dist.all_gather_object(every, mine, group=env.ckpt_group)
+    every = gather(mine, env.ckpt_group)
     if any(e != every[0] for e in every):
         diff = {r: e for r, e in enumerate(every) if e != every[0]}
         raise ConfigError(
@@ -308,10 +298,7 @@ class CheckpointManager:
         ref, self._next_ref = self._next_ref, None
         if ref is None or self.sanity is None:
             return
-        pending = [not ref.done()]
-        if self.env.world_size > 1:
-            pending = [None] * self.env.world_size  # type: ignore[list-item]
-            dist.all_gather_object(pending, not ref.done())
+        pending = gather(not ref.done(), None) if self.env.world_size > 1 else [not ref.done()]
         if any(pending):
             loss = self.sanity.probe_fn()
             ref.settle(fixed_batch_record(loss, self.sanity.probe_tokens, "live_model_at_close"))

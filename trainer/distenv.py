@@ -13,12 +13,12 @@ import os
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistEnv", "exit_process", "init_distributed", "shutdown"]
+__all__ = ["DistEnv", "exit_process", "gather", "init_distributed", "shutdown"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +72,13 @@ def init_distributed(*, timeout_s: float = 120.0, ckpt_timeout_s: float = 600.0,
         )
     ckpt_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=ckpt_timeout_s))
     return DistEnv(rank, world, local_rank, local_world, attempt, ckpt_group, ckpt_timeout_s)
+
+
+def gather(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
+    """Every rank's ``obj``, in rank order (``all_gather_object`` over ``group``; None: the default group)."""
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
 
 
 def shutdown(env: DistEnv | None = None) -> None:

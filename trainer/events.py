@@ -1,12 +1,9 @@
 """The commit event: an outbox line first, then a best-effort POST to Prefect.
 
-The outbox (``<run>/_outbox.jsonl``, one fsynced line per commit) is the durable record; the event is a fast
-path. Prefect's reconcile flow reads the outbox, so an event lost while the server was down is caught up.
-
-Sending never stalls training or exit: a daemon thread POSTs with a short timeout and a few retries, and
-``close()`` waits at most ``exit_budget_s``. Prefect is not imported (slow, starts background services): the
-event goes to ``POST {PREFECT_API_URL}/events`` with a deterministic id (uuid5 of run/step/event), which the
-server stores once however often it is sent.
+The outbox (``<run>/_outbox.jsonl``, one fsynced line per commit) is the durable record reconcile reads; the event,
+``POST {PREFECT_API_URL}/events`` with a deterministic id (uuid5 of run, step and event) the server stores once, is
+the fast path. Sending never stalls training or exit (a daemon thread; ``close()`` waits at most ``exit_budget_s``),
+and Prefect is not imported (slow, starts background services). See docs/architecture.md, "The commit event".
 """
 
 from __future__ import annotations
@@ -155,8 +152,6 @@ class EventSender:
         self.attempt_timeout_s = attempt_timeout_s
         self.attempts = attempts
         self.exit_budget_s = exit_budget_s
-        self.sent = 0
-        self.failed = 0
         self._q: queue.Queue[dict | None] = queue.Queue()
         self._thread: threading.Thread | None = None
 
@@ -179,11 +174,9 @@ class EventSender:
             for i in range(self.attempts):
                 try:
                     post_events(self.api_url, [ev], timeout_s=self.attempt_timeout_s, api_key=self.api_key)
-                    self.sent += 1
                     break
                 except Exception as e:  # any failure: retry, then leave it to the outbox
                     if i == self.attempts - 1:
-                        self.failed += 1
                         # never log the URL's query or credentials; the host is enough
                         log.warning(
                             "event %s not delivered (%s); the outbox keeps it for reconcile",

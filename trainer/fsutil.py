@@ -11,20 +11,11 @@ import uuid
 __all__ = [
     "append_durable",
     "fsync_dir",
-    "fsync_file",
     "remove_tree",
     "rename_durable",
     "replace_atomic",
     "write_durable",
 ]
-
-
-def fsync_file(path: str | os.PathLike) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def fsync_dir(path: str | os.PathLike) -> None:

@@ -1,19 +1,11 @@
 """``CheckpointConfig(interval="auto")``: the trainer picks its save interval from what it measures.
 
-Measured on every rank from the calls the loop already makes (``save(step)`` once per step):
-
-* **step**: wall time between two consecutive ``save()`` calls where no save happened;
-* **stall**: the extra time of the step right after a save (staging and the optimizer's wait land there),
-  median over recent saves, less the median step;
-* **persist**: save start to committed (``SaveTiming.committed_s`` of finished saves).
-
-At each save it is due to make, every rank all-gathers everyone's numbers (checkpoint group) and takes the
-largest of each (the slowest rank paces a synchronous job), so all ranks compute the same interval and save
-at the same steps. The interval is the exact optimum for stall and MTBF (``trainer.optimum.exact_interval``;
-restore cost does not move it), in whole steps, never fewer than one save in flight allows (the previous save
-must be durable before the next is due), within ``[auto_min_interval, auto_max_interval]``. A change over
-10 % (or forced by the in-flight floor) is applied and logged with its reason by rank 0, to the log and to
-``<run>/interval.jsonl``.
+Per rank, from the ``save(step)`` calls: the step time (between calls without a save), the stall (the extra time of
+the step after a save) and the persist time (save to committed). At each save it is due to make, the ranks all-gather
+these and take the largest of each, so all compute the same interval: ``optimum.exact_interval`` in whole steps,
+never fewer than one save in flight allows, within ``[auto_min_interval, auto_max_interval]``. A change over
+:data:`CHANGE` (or forced by that floor) is applied and logged by rank 0, also to :data:`INTERVAL_LOG`. See
+docs/architecture.md, "Goodput and the interval".
 """
 
 from __future__ import annotations
@@ -28,8 +20,7 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import torch.distributed as dist
-
+from ckptflow.trainer.distenv import gather
 from ckptflow.trainer.optimum import availability, exact_interval
 
 __all__ = ["AutoInterval", "CHANGE", "Decision", "INTERVAL_LOG", "MIN_STALL_S", "Measured"]
@@ -74,13 +65,14 @@ class AutoInterval:
         first: int,
         min_steps: int = 1,
         max_steps: int = 1_000_000,
-        restore_s: float = 0.0,
         rank: int = 0,
         world: int = 1,
         group: Any = None,
         run_path: str | None = None,
     ) -> None:
-        self.mtbf_s, self.min_steps, self.max_steps, self.restore_s = mtbf_s, min_steps, max_steps, restore_s
+        self.mtbf_s, self.min_steps, self.max_steps = mtbf_s, min_steps, max_steps
+        self.restore_s = 0.0
+        """The last resume's seconds (set by the manager after its load): the restart cost in ``expected_effective``."""
         self.rank, self.world, self.group, self.run_path = rank, world, group, run_path
         self.interval = min(max(first, min_steps), max_steps)
         self.next_due = self.interval
@@ -116,10 +108,7 @@ class AutoInterval:
 
     def plan(self, step: int, timings: list[Any]) -> Decision | None:
         mine = self.measured(timings)
-        every: list[Any] = [asdict(mine)]
-        if self.world > 1:
-            every = [None] * self.world
-            dist.all_gather_object(every, asdict(mine), group=self.group)
+        every = gather(asdict(mine), self.group) if self.world > 1 else [asdict(mine)]
         agreed = {k: _max(e[k] for e in every) for k in ("step_s", "stall_s", "persist_s")}
         d = self._decide(step, agreed["step_s"], agreed["stall_s"], agreed["persist_s"])
         if d is not None:

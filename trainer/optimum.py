@@ -1,8 +1,9 @@
-"""The optimum checkpoint interval and the waste of any interval: pure functions.
+"""The exact optimum checkpoint interval and the availability of any interval: pure functions.
 
 Used by the trainer (``CheckpointConfig(interval="auto")``) and by ``ckptflow advise`` / ``goodput``, so they
-live below both. Models and notation: ``ckptflow.tasks.advise``'s module doc (``S`` save cost (the stall),
-``R`` restart cost, ``M`` MTBF, ``T`` the interval of training time).
+live below both; Young's and Daly's estimates and the first-order waste are ``ckptflow.tasks.advise``'s. Models and
+notation: that module's doc (``S`` save cost (the stall), ``R`` restart cost, ``M`` MTBF, ``T`` the interval of
+training time).
 """
 
 from __future__ import annotations
@@ -11,15 +12,7 @@ import math
 
 from ckptflow.trainer.errors import ConfigError
 
-__all__ = [
-    "availability",
-    "check_costs",
-    "daly_interval",
-    "exact_interval",
-    "waste_exact",
-    "waste_first_order",
-    "young_interval",
-]
+__all__ = ["availability", "check_costs", "exact_interval"]
 
 
 def check_costs(**values: float) -> None:
@@ -31,21 +24,6 @@ def check_costs(**values: float) -> None:
             raise ConfigError(f"{name}={values[name]!r} must be > 0")
     if "restore_s" in values and values["restore_s"] < 0:
         raise ConfigError(f"restore_s={values['restore_s']!r} must be >= 0")
-
-
-def young_interval(save_s: float, mtbf_s: float) -> float:
-    """Young's first-order optimum ``sqrt(2·S·M)`` (minimises :func:`waste_first_order`)."""
-    check_costs(save_s=save_s, mtbf_s=mtbf_s)
-    return math.sqrt(2.0 * save_s * mtbf_s)
-
-
-def daly_interval(save_s: float, mtbf_s: float) -> float:
-    """Daly's higher-order estimate of the exact optimum (``M`` once ``S >= 2M``)."""
-    check_costs(save_s=save_s, mtbf_s=mtbf_s)
-    if save_s >= 2.0 * mtbf_s:
-        return mtbf_s
-    x = save_s / (2.0 * mtbf_s)
-    return math.sqrt(2.0 * save_s * mtbf_s) * (1.0 + math.sqrt(x) / 3.0 + x / 9.0) - save_s
 
 
 def exact_interval(save_s: float, mtbf_s: float) -> float:
@@ -67,12 +45,6 @@ def exact_interval(save_s: float, mtbf_s: float) -> float:
     return 0.5 * (lo + hi) * mtbf_s
 
 
-def waste_first_order(interval_s: float, save_s: float, restore_s: float, mtbf_s: float) -> float:
-    """``S/T + (T/2 + R)/M``: expected fraction of wall time lost (first order; may exceed 1 for absurd inputs)."""
-    check_costs(interval_s=interval_s, save_s=save_s, restore_s=restore_s, mtbf_s=mtbf_s)
-    return save_s / interval_s + (interval_s / 2.0 + restore_s) / mtbf_s
-
-
 def availability(interval_s: float, save_s: float, restore_s: float, mtbf_s: float) -> float:
     """Expected fraction of wall time spent on new training (exact model, in (0, 1))."""
     check_costs(interval_s=interval_s, save_s=save_s, restore_s=restore_s, mtbf_s=mtbf_s)
@@ -80,11 +52,6 @@ def availability(interval_s: float, save_s: float, restore_s: float, mtbf_s: flo
     # log form: no overflow for T+S ≫ M, and expm1 keeps precision for T+S ≪ M
     log_den = r / m + _log_expm1((t + s) / m) + math.log(m)
     return math.exp(math.log(t) - log_den)
-
-
-def waste_exact(interval_s: float, save_s: float, restore_s: float, mtbf_s: float) -> float:
-    """``1 − availability``: expected fraction of wall time lost (exact model)."""
-    return 1.0 - availability(interval_s, save_s, restore_s, mtbf_s)
 
 
 def _log_expm1(x: float) -> float:

@@ -13,8 +13,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-import torch.distributed as dist
-
+from ckptflow.trainer.distenv import gather
 from ckptflow.trainer.errors import CheckpointNotFoundError, MismatchError
 from ckptflow.trainer.format import commit, layout
 from ckptflow.trainer.format.manifest import Manifest
@@ -65,9 +64,7 @@ def verify_together(path: str, rank: int, world: int, group, *, deep: bool = Tru
                 if (p := check_present(path, n, e.size)) is not None
             ]
     if world > 1:
-        allp: list = [None] * world
-        dist.all_gather_object(allp, problems, group=group)
-        problems = sorted({p for ps in allp for p in ps})
+        problems = sorted({p for ps in gather(problems, group) for p in ps})
     return (whole.manifest if not problems else None), problems
 
 

@@ -1,19 +1,11 @@
 """Asynchronous, sharded saves with one in flight, ending in an atomic commit.
 
-Timeline of one save (``AsyncSaver.submit``), per rank::
-
-  main thread   stage.submit ──(returns once the copy has started)──> training continues
-  stager        copy live tensors into reused CPU buffers (must end before the next optimizer.step)
-  lane          DCP's save of the copy: plan (ckpt group) -> write own shards -> coordinator writes .metadata;
-                then the commit: own files' digests (taken as written) -> gather to rank 0 -> rank 0 commits
-                (manifest, rename, latest, outbox, event) -> broadcast
-
-The stager's thread and the lane are started once, with the saver (``_Lane``), not per save. ``async_staging``
-blocks training a fixed time per save whatever the state size (docs/benchmarks.md); ``sync`` (``dcp.save`` on the
-training thread) blocks for the whole write but keeps no CPU copy of the state, for hosts without the memory for one.
-
-All checkpoint collectives run on a dedicated process group and only from the lane, one save at a time, so every
-rank issues them in the same order and they never interleave with training collectives.
+``AsyncSaver.submit`` returns once the stager has started copying the state into reused CPU buffers (``sync``: once
+DCP's save has run on the training thread, with no CPU copy). One long-lived thread (``_Lane``) runs DCP's save of
+the copy, then the commit: each rank's digests gathered to rank 0, which commits and broadcasts the outcome (on
+node-local roots, the two-level commit of ``nodes/twolevel.py``). Every checkpoint collective runs on the checkpoint
+group, from the lane only, one save at a time: every rank issues them in the same order, never interleaved with
+training's. See docs/architecture.md, "One save, per rank".
 """
 
 from __future__ import annotations
@@ -44,8 +36,11 @@ from ckptflow.trainer.dcp.writer import HashingWriter
 from ckptflow.trainer.errors import SaveError
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.format.checksum import digest_file
+from ckptflow.trainer.format.commit import commit_checkpoint
 from ckptflow.trainer.format.manifest import FileEntry, Manifest
+from ckptflow.trainer.fsutil import remove_tree
 from ckptflow.trainer.nodes.topology import Topology, single
+from ckptflow.trainer.nodes.twolevel import PLACEMENT, NodeSave, placement
 
 log = logging.getLogger(__name__)
 
@@ -235,14 +230,7 @@ class AsyncSaver:
         upload_job: Callable[[], None] | None = None  # DCP's save, to run on the lane first
         if self.mode == "sync":
             try:
-                upload.set_result(
-                    dcp.save(
-                        state,
-                        storage_writer=writer,
-                        process_group=self.group,
-                        planner=canonical_planner(self._plan_key),
-                    )
-                )
+                upload.set_result(self._dcp_save(state, writer))
             except BaseException as e:  # DCP's CheckpointException derives from BaseException
                 if isinstance(e, (KeyboardInterrupt, SystemExit)):
                     raise
@@ -267,14 +255,15 @@ class AsyncSaver:
     def _upload(self, staging: Future, writer: _FaultingWriter, upload: Future) -> None:
         """DCP's save of the staged copy (on the lane, once staging is done); its outcome goes into ``upload``."""
         try:
-            copy = staging.result()
-            upload.set_result(
-                dcp.save(
-                    copy, storage_writer=writer, process_group=self.group, planner=canonical_planner(self._plan_key)
-                )
-            )
+            upload.set_result(self._dcp_save(staging.result(), writer))
         except BaseException as e:  # DCP's CheckpointException derives from BaseException
             upload.set_exception(e)  # the commit reports it as a SaveError
+
+    def _dcp_save(self, state: dict[str, Any], writer: _FaultingWriter) -> Any:
+        """DCP's save on the checkpoint group, with this saver's cached plans; returns DCP's metadata."""
+        return dcp.save(
+            state, storage_writer=writer, process_group=self.group, planner=canonical_planner(self._plan_key)
+        )
 
     def wait_for_staging(self) -> None:
         """Block until the staged copy exists (call before mutating model/optimizer state)."""
@@ -401,9 +390,6 @@ class AsyncSaver:
 
     def _commit_nodes(self, gathered: list | None, req: SaveRequest, timing: SaveTiming) -> None:
         """Node-local roots: the two-level commit of ``trainer/nodes/twolevel.py``, phases 3-8."""
-        from ckptflow.trainer.format.manifest import Manifest
-        from ckptflow.trainer.nodes.twolevel import NodeSave
-
         ns = NodeSave(self.topology, req.run_path, req.step, self.group, timeout_s=self.timeout_s)
         box: list = [None]
         if self.rank == 0:
@@ -431,11 +417,8 @@ class AsyncSaver:
         final = ns.commit()
         timing.bytes = manifest.total_bytes
         timing.extra["replicated_bytes"] = ns.replicated_bytes
-        if self.rank == 0 and req.on_committed is not None:
-            try:
-                req.on_committed(manifest, final)
-            except Exception as e:  # committed is committed; reconcile finds it on storage
-                log.warning("step %d committed but its outbox/event failed: %r", req.step, e)
+        if self.rank == 0:
+            self._announce(req, manifest, final)
 
     def _checked_files(self, gathered: list) -> tuple[dict[str, FileEntry] | None, str, dict[str, int]]:
         """Every rank's entries merged, or why not: (files, problem, file -> the rank that wrote it)."""
@@ -455,8 +438,6 @@ class AsyncSaver:
 
     def _build_node_manifest(self, gathered: list, req: SaveRequest) -> tuple:
         """Rank 0, node-local roots: the manifest with its placement, and ``.metadata``'s bytes."""
-        from ckptflow.trainer.nodes.twolevel import PLACEMENT, placement
-
         files, problem, owners = self._checked_files(gathered)
         if files is None:
             return "failed", problem
@@ -471,8 +452,6 @@ class AsyncSaver:
 
     def _coordinate(self, gathered: list, req: SaveRequest) -> tuple[str, Any]:
         """Rank 0, one shared root: build the manifest from every rank's entries and commit."""
-        from ckptflow.trainer.format.commit import commit_checkpoint  # local: keeps import graph flat
-
         files, problem, _ = self._checked_files(gathered)
         if files is None:
             self._discard_tmp(req)
@@ -483,18 +462,22 @@ class AsyncSaver:
         except Exception as e:
             self._discard_tmp(req)
             return "failed", f"commit: {e!r}"
-        if req.on_committed is not None:
-            try:
-                req.on_committed(manifest, final)
-            except Exception as e:  # committed is committed; reconcile finds it on storage
-                log.warning("step %d committed but its outbox/event failed: %r", req.step, e)
+        self._announce(req, manifest, final)
         return "ok", manifest.total_bytes
+
+    @staticmethod
+    def _announce(req: SaveRequest, manifest: Manifest, final: str) -> None:
+        """Rank 0, after the commit: ``req.on_committed`` (outbox line, event)."""
+        if req.on_committed is None:
+            return
+        try:
+            req.on_committed(manifest, final)
+        except Exception as e:  # committed is committed; reconcile finds it on storage
+            log.warning("step %d committed but its outbox/event failed: %r", req.step, e)
 
     @staticmethod
     def _discard_tmp(req: SaveRequest) -> None:
         # Every rank has finished writing (all reached the gather), so the partial dir can go now.
-        from ckptflow.trainer.fsutil import remove_tree
-
         try:
             remove_tree(os.path.join(req.run_path, layout.tmp_name(req.step)))
         except OSError as e:

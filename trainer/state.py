@@ -1,20 +1,13 @@
 """What goes into a checkpoint, and how it is put back.
 
-The DCP state dict has four parts:
-
-``model`` / ``optim``  via DCP's ``get_state_dict``: sharded (DTensor) under FSDP2, so each rank writes
-                       only its shard and a load reshards.
-``ranks.rank<r>``      one ``uint8`` tensor per rank, pickle-free (``safetree``): step, LR scheduler,
-                       GradScaler (equal on every rank), the rank's own python/numpy/torch CPU (and CUDA)
-                       RNG states, sampler / data loader state, ``extra``, a copy of the module buffers;
-                       restored to the same rank (scheduler and scaler from rank 0's elsewhere). At another
-                       world size: RNG of ranks in both is restored, others reseeded; sampler or ``extra``
-                       state equal on every rank goes to every rank, one that differed needs the
-                       ``reshard_state`` hook (else a clear error); new ranks' buffers are rank 0's.
-
-Snapshot consistency: parameters and optimizer state change only in ``optimizer.step()``, which waits for
-staging (a step pre-hook in the manager). What a forward pass may mutate (buffers such as running stats) or
-is a live Python object (scheduler, sampler, RNG) is copied here, synchronously, at save time.
+The DCP state dict: ``model`` and ``optim`` from DCP's ``get_state_dict`` (sharded under FSDP2: each rank writes its
+shard, a load reshards), and ``ranks.rank<r>``, one pickle-free ``uint8`` tensor per rank (``safetree``): step,
+scheduler, scaler, the rank's RNG states, sampler, ``extra`` and a copy of the module buffers, restored to the same
+rank (scheduler and scaler from rank 0's elsewhere). At another world size the RNG of ranks in both is restored,
+others reseeded; sampler or ``extra`` state equal on every rank goes to every rank, one that differed needs
+``reshard_state``; new ranks get rank 0's buffers. What a forward pass may mutate, or is a live Python object, is
+copied at save time; parameters and optimizer state change only in ``optimizer.step()``, which waits for staging.
+See docs/architecture.md, "One save, per rank".
 """
 
 from __future__ import annotations

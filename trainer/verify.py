@@ -26,7 +26,6 @@ __all__ = [
     "resolve_member",
     "share_of_files",
     "verify_checkpoint",
-    "verify_parts",
 ]
 
 
@@ -94,16 +93,11 @@ def check_present(ckpt_dir: str, name: str, size: int) -> Problem | None:
 
 
 def check_file(ckpt_dir: str, name: str, size: int, checksum: str) -> Problem | None:
-    try:
-        path = resolve_member(ckpt_dir, name)
-    except UnsafePathError as e:
-        return Problem(os.path.join(ckpt_dir, name), str(e))
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return Problem(path, "missing")
-    if st.st_size != size:
-        return Problem(path, f"size {st.st_size} != {size} in the manifest (truncated or replaced)")
+    """:func:`check_present`, then the file's xxh3-128 against the manifest's."""
+    problem = check_present(ckpt_dir, name, size)
+    if problem is not None:
+        return problem
+    path = os.path.join(ckpt_dir, *name.split("/"))  # what resolve_member returned, having checked it
     digest, n = hash_file(path)
     if n != size:
         return Problem(path, f"changed while being read ({n} bytes read, {size} expected)")
@@ -172,26 +166,6 @@ def verify_checkpoint(
 def is_node_part(manifest: Manifest) -> bool:
     """The checkpoint was saved on node-local roots: each node's directory holds a part."""
     return (manifest.extra.get("placement") or {}).get("scope") == "node"
-
-
-def verify_parts(
-    ckpt_dirs: list[str], *, threads: int = 4, key: bytes | None = None
-) -> tuple[list[VerifyResult], list[str]]:
-    """Several nodes' parts of one checkpoint: each part verifies, all carry the same manifest, together they
-    hold every file. Returns (per part, global problems)."""
-    parts = [verify_checkpoint(d, threads=threads, key=key, part=True) for d in ckpt_dirs]
-    problems: list[str] = []
-    manifests = {r.manifest.to_json(key=b"") if r.manifest else None for r in parts}
-    if None in manifests or len(manifests) != 1:
-        problems.append("the parts do not carry one and the same readable manifest")
-        return parts, problems
-    m = parts[0].manifest
-    assert m is not None  # every part's manifest was read (checked just above)
-    held = {n for r in parts for n in m.files if n not in r.elsewhere}
-    lost = sorted(set(m.files) - held)
-    if lost:
-        problems.append(f"step {m.step}: no part holds {', '.join(lost)}")
-    return parts, problems
 
 
 def share_of_files(manifest: Manifest, rank: int, world_size: int) -> list[str]:

@@ -24,7 +24,8 @@ def verify(
     node's part of one step) must together hold every file. Exit 0 when what was asked is whole;
     1 with each offending file named when not. Nothing is unpickled or loaded.
     """
-    from ckptflow.trainer.verify import VerifyResult, verify_checkpoint, verify_parts
+    from ckptflow.tasks.verify import verify_parts
+    from ckptflow.trainer.verify import VerifyResult, verify_checkpoint
 
     parts: list[VerifyResult]
     whole: list[str]

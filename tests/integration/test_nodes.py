@@ -16,10 +16,11 @@ import time
 import pytest
 
 from ckptflow.harness import NodeAgents
+from ckptflow.tasks.verify import verify_parts
 from ckptflow.trainer import faults
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.reference.metrics import read_metrics
-from ckptflow.trainer.verify import verify_checkpoint, verify_parts
+from ckptflow.trainer.verify import verify_checkpoint
 
 RUN = "mn"
 

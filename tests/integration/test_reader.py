@@ -338,7 +338,7 @@ def test_copies_added_before_or_after_their_blocks_matched_copy_only_matched_byt
     now = sched.add([copy(100, 100 + dst.numel(), dst), copy(4096 * 3, 4096 * 3 + 12 * 1023 + 1, strided, view)])
     for t in now:
         t()
-    sched.settle()
+    sched.device.settle()
     assert torch.equal(dst[: 2 * 4096 - 100], src[100 : 2 * 4096])  # the bytes of blocks 0 and 1
     assert not dst[2 * 4096 - 100 :].any() and not strided.any()  # nothing of a block not matched
     for k in (2, 3, 4):
@@ -350,7 +350,7 @@ def test_copies_added_before_or_after_their_blocks_matched_copy_only_matched_byt
     run_pieces(pieces, sched.device)
     for t in tasks:
         t()
-    sched.settle()
+    sched.device.settle()
     assert torch.equal(dst, src[100 : 100 + dst.numel()])
     assert torch.equal(strided, src[4096 * 3 : 4096 * 3 + 12 * 1024 : 12])
 
@@ -419,7 +419,7 @@ def test_a_run_verified_in_one_call_copies_pieces_added_meanwhile_and_stops_at_a
 
     monkeypatch.setattr(verifiedcopy.memcopy, "verify_copy", while_running)
     n, tasks = verify_run(blocks[:3], sched)
-    sched.settle()
+    sched.device.settle()
     assert n == 3 and tasks == []
     assert torch.equal(early, src[: 4096 * 2]) and torch.equal(late, src[4096 + 10 : 4096 * 3])
     monkeypatch.setattr(verifiedcopy.memcopy, "verify_copy", real)
@@ -428,7 +428,7 @@ def test_a_run_verified_in_one_call_copies_pieces_added_meanwhile_and_stops_at_a
     assert sched.add([Copy(None, rest, "f.bin", 4096 * 3, 4096 * 6, torch.uint8, None)]) == []  # type: ignore[arg-type]
     bad = [blocks[3], dataclasses.replace(blocks[4], digest="0" * 16), blocks[5]]
     n, _ = verify_run(bad, sched)
-    sched.settle()
+    sched.device.settle()
     assert n == 1
     assert torch.equal(rest[:4096], src[4096 * 3 : 4096 * 4]) and not rest[4096:].any()
     assert ("f.bin", 3) in sched.matched and ("f.bin", 4) not in sched.matched

@@ -151,7 +151,7 @@ class Schedule:
     into pieces, each run by whichever thread verified its block (:meth:`match`). Any other copy (a strided narrow,
     a cast) runs whole once every block it spans matched; a file verified whole releases all its copies at once, in
     ``threads`` batches of about equal bytes. Copies may be added while blocks are verified (:meth:`add`); one lock
-    ensures no byte is copied before its block matched. CUDA copies are not waited for until :meth:`settle`."""
+    ensures no byte is copied before its block matched. CUDA copies are not waited for until ``device.settle()``."""
 
     def __init__(self, blocks: list[Block], maps: dict[str, Any], threads: int) -> None:
         self.threads = threads
@@ -164,10 +164,6 @@ class Schedule:
         self._geometry = {b.name: (b.whole, b.end - b.start) for b in blocks if b.index == 0}
         self._bases = {n: torch.frombuffer(maps[n], dtype=torch.uint8) for n in self._geometry}
         self.device = DeviceCopies()
-
-    def settle(self) -> None:
-        """Wait for the device copies enqueued so far (call before handing the tensors on, or returning)."""
-        self.device.settle()
 
     def add(self, copies: list[Copy]) -> list[Callable[[], Any]]:
         """Schedule ``copies``; returns those whose blocks all matched already, as tasks to run."""

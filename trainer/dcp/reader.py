@@ -1,21 +1,11 @@
 """Loading a DCP checkpoint at disk speed, every byte verified in the same read, nothing unpickled.
 
 :class:`VerifiedReader` replaces DCP's ``FileSystemReader`` (which unpickles); the files stay standard DCP.
-
-* ``.metadata``: size and xxh3 checked against the manifest, then parsed by ``trainer/format/dcpmeta.py``'s allow-list.
-* data files: mapped and verified block by block against the manifest's digests on every core (``_verifiedcopy.py``);
-  each block's bytes reach their destinations right after it matched, never before. A mismatch fails the load on
-  every rank (``loader.load_local``), destinations partly written (the fallback load overwrites them all). Files
-  without block digests (older manifests) are verified whole first.
-* tensor items: located in their ``torch.save`` zip without unpickling (``_tensoritem.py``), copied by byte range, or
-  through a narrowed view when resharding. Byte items: a plain-values unpickler, else ``torch.load(weights_only=True)``
-  with numpy's array rebuilders (checkpoints before state layout 2).
-* CUDA destinations: staged in pinned memory, copied asynchronously (``devicecopy.py``), waited for before returning.
-
-Each file is streamed into the page cache front to back, its pages mapped, by ``verifiedcopy.Streamer``; blocks are
-verified and items located behind the stream (``_locate_behind``), or, for a cold file too large for that, from its
-zip record pages asked for at once (``_ask_for_records``). At the saving world size this starts for the rank's own
-files before ``.metadata`` is read (``prefetch``).
+``.metadata`` is checked against its digest and parsed by ``format/dcpmeta.py``'s allow-list; data files are mapped
+and verified block by block on every core (``_verifiedcopy.py``, files without block digests whole first), and no
+destination receives a byte of a block that has not matched. Tensor items are located without unpickling
+(``_tensoritem.py``). A mismatch fails the load on every rank (``loader.load_local``). See docs/architecture.md,
+"Resume".
 """
 
 from __future__ import annotations
@@ -26,7 +16,6 @@ import math
 import mmap
 import os
 import threading
-import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -99,7 +88,6 @@ class VerifiedReader(FileSystemReader):
         self._stream_of: dict[str, Streamer] = {}
         self._stream_first: set[str] = set()  # cold files located behind their stream
         self.bytes_read = 0
-        self.read_seconds = 0.0
 
     def close(self) -> None:
         """Stop the reader's threads; none touches a destination after this returns."""
@@ -150,7 +138,6 @@ class VerifiedReader(FileSystemReader):
                 readahead(data, info.offset + info.length - RECORD_PAGE, RECORD_PAGE)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        t0 = time.perf_counter()
         # Each item's record looked up once: a MetadataIndex key hashes and compares in Python.
         per_file: dict[str, list[Item]] = {}
         records = self.storage_data
@@ -198,9 +185,8 @@ class VerifiedReader(FileSystemReader):
         finally:
             self.close()  # no thread touches a destination after this returns or raises,
             if sched is not None:
-                sched.settle()  # and no copy to a device is still in flight
+                sched.device.settle()  # and no copy to a device is still in flight
         self.bytes_read += sum(len(m) for m in maps.values())
-        self.read_seconds += time.perf_counter() - t0
         for req, data in byte_items:
             planner.load_bytes(req, io.BytesIO(data))
         for c in copies:

@@ -1,24 +1,11 @@
 """DCP's data files written without a ``torch.save`` per tensor, each file hashed as it is written.
 
-DCP's ``FileSystemWriter`` runs ``torch.save`` per tensor (a pickle, zip bookkeeping and miniz's slow CRC-32 of
-every byte), and the commit then reads every byte again to hash it; on a host whose cores training fills, all
-that CPU is taken from training (docs/benchmarks.md, "Persist").
-
-What the files hold does not change. ``torch.save``'s container for a plain tensor depends on its bytes in three
-places only: the data record, that record's CRC-32 (in miniz's data descriptor after it and in its central
-directory entry), and the ``.data/serialization_id`` record, an identifier torch only logs. So the first save of a
-layout (dtype, shape, stride, offset, storage size) runs ``torch.save`` into memory under
-``torch.serialization.skip_data()`` (thread-local: the data is left as a gap), and the bytes before and after the
-gap become that layout's template. Later saves write the template's head, the data straight from the tensor's
-memory and the template's tail, with the CRC-32 computed by ISA-L (``isal``; zlib where it is missing) patched in.
-The result is ``torch.save``'s own container, a valid zip read by vanilla ``torch.load``, ``dcp.load`` and
-``dcp_to_torch_save``, differing from ``torch.save``'s bytes only in the serialization id, that of the layout's
-first save (tests/integration/test_fastwrite.py checks both).
-
-Each file's xxh3 is computed from the same buffers as they are written, so the commit takes the digest from here
-instead of reading the file back (``AsyncSaver._gather_entries``). What templates do not cover (a tensor subclass,
-a tensor with Python attributes or hooks, a stream transform extension) is written by ``torch.save`` exactly as
-DCP would, through the same hashing stream.
+DCP's ``FileSystemWriter`` pickles each tensor and the commit then rereads every byte: CPU taken from training. Here
+each layout (dtype, shape, stride, offset, storage size) gets a template from one ``torch.save`` under
+``skip_data()``; later saves write its head, the tensor's bytes and its tail, the CRC-32 (ISA-L, else zlib) patched
+in, and hash the same buffers. The files are ``torch.save``'s own container at DCP's offsets, differing only in the
+serialization id (tests/integration/test_fastwrite.py); what templates do not cover (a tensor subclass, hooks, a
+stream transform) goes through ``torch.save`` as DCP's writer would. See docs/architecture.md, "One save, per rank".
 """
 
 from __future__ import annotations

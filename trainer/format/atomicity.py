@@ -1,21 +1,12 @@
-"""How a checkpoint becomes trusted on one kind of storage, and stops being trusted.
+"""How a checkpoint becomes trusted on one kind of storage, and stops being trusted: the one definition of
+"committed" that the trainer, the tiers, promote and archive all ask.
 
-One rule per kind of tier behind one interface (after Orbax's ``atomicity``): the one definition of
-"committed" that the trainer (commit, resume), the tiers (``ls``, prune, restore, drills), promote and archive
-all ask.
+* :class:`RenameCommit` (file systems): committed = a ``step_N`` directory, ``step_N.tmp`` renamed.
+* :class:`MarkerCommit` (object stores): committed = a step with its ``_COMMITTED`` marker, written last.
 
-* :class:`RenameCommit`: file systems (hot, warm). Files go into ``step_N.tmp/``; renaming it to ``step_N/``
-  is the commit point (atomic; the parent fsynced for durability). **Committed = a ``step_N`` directory.** A
-  missing or bad manifest in one is damage for the verifier to report, not "uncommitted" (which would hide it
-  from ``ls`` and prune).
-* :class:`MarkerCommit`: object stores (cold), which cannot rename. Objects are uploaded in place under
-  ``step_N/``, then ``_COMMITTED`` last. **Committed = a step with the marker**, whatever objects exist.
-
-Withdrawing, the first act of a delete, makes a step uncommitted before any byte goes, so a crash mid-delete
-never leaves a half that looks committed: rename ``step_N`` to ``step_N.deleting``, or remove the marker.
-
-URLs are plain "/"-joined strings (``trainer.layout``); the marker rule works over any fsspec-like file
-system object it is given, and imports none.
+Withdrawing (to ``step_N.deleting``, or the marker removed) is a delete's first act, so a crash mid-delete never
+leaves a half that looks committed. The marker rule works on any fsspec-like file system object it is given and
+imports none. See docs/architecture.md, "Storage tiers and commit rules".
 """
 
 from __future__ import annotations

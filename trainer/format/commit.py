@@ -5,14 +5,12 @@ Call order for one checkpoint of step N (coordinator = rank 0):
 1. all ranks   DCP writes shards and ``.metadata`` into ``step_N.tmp/``; files fsynced
 2. all ranks   each hashes the files it wrote; gathered to the coordinator
 3. coordinator ``manifest.json`` written into ``step_N.tmp/`` and fsynced
-4. coordinator rename ``step_N.tmp`` -> ``step_N``, fsync the run dir   <- commit point
-               (the rename rule of ``trainer.atomicity``, shared with every local tier)
+4. coordinator rename ``step_N.tmp`` -> ``step_N``, fsync the run dir   <- commit point (``atomicity.RENAME``)
 5. coordinator ``latest`` replaced atomically (write, fsync, rename, fsync)
 6. coordinator outbox line appended (fsync), then the event is sent in the background
 
-A crash before 4 leaves only a ``.tmp`` dir, never trusted, removed at the next start. A crash between 4 and
-5 leaves a committed dir newer than ``latest``: resume takes the newest committed checkpoint that verifies
-and repairs ``latest``. ``latest`` therefore always names a complete checkpoint.
+A crash before 4 leaves a ``.tmp`` dir, never trusted; ``latest`` moves only after 4, so it always names a complete
+checkpoint. What a crash at each point leaves: docs/architecture.md, "The commit protocol and what a crash leaves".
 """
 
 from __future__ import annotations
@@ -26,7 +24,15 @@ from ckptflow.trainer.format.atomicity import RENAME
 from ckptflow.trainer.format.manifest import Manifest
 from ckptflow.trainer.fsutil import remove_tree, replace_atomic, write_durable
 
-__all__ = ["clean_stale_tmp", "commit_checkpoint", "committed_steps", "is_quarantined", "read_latest", "write_latest"]
+__all__ = [
+    "clean_stale_tmp",
+    "commit_checkpoint",
+    "committed_steps",
+    "is_quarantined",
+    "read_latest",
+    "rename_then_latest",
+    "write_latest",
+]
 
 
 log = logging.getLogger(__name__)
@@ -39,17 +45,28 @@ def commit_checkpoint(run_path: str, manifest: Manifest) -> str:
     final = os.path.join(run_path, layout.step_name(step))
     write_durable(os.path.join(tmp, layout.MANIFEST), manifest.to_json())
     faults.maybe_crash("after_manifest", step)
+    rename_then_latest(run_path, step)
+    return final
+
+
+def rename_then_latest(run_path: str, step: int) -> None:
+    """Steps 4-5 above, for a ``.tmp`` dir holding its manifest: the rename (the commit point), then ``latest``.
+    Also a node's commit point on node-local roots (``trainer/nodes/twolevel.py``, phase 8)."""
+    tmp = RENAME.staging_url(run_path, step)
     if RENAME.is_committed(run_path, step):
         # A re-run of a step an earlier attempt committed (resumed from an older one): the committed dir is
         # immutable (a lifecycle flow may be reading it), so drop the duplicate.
-        log.warning("%s already committed; discarding the duplicate save in %s", final, tmp)
+        log.warning(
+            "%s already committed; discarding the duplicate save in %s",
+            layout.join(run_path, layout.step_name(step)),
+            tmp,
+        )
         remove_tree(tmp)
     else:
         RENAME.commit(run_path, step)  # <- the commit point
     faults.maybe_crash("after_rename", step)
     write_latest(run_path, step)
     faults.maybe_crash("after_latest", step)
-    return final
 
 
 def write_latest(run_path: str, step: int) -> None:

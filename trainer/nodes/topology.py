@@ -1,19 +1,10 @@
 """Which ranks share a hot root: found out at start-up, never assumed.
 
-The same ``--ckpt-root`` path may be one shared file system or each node's own disk, and the commit differs
-(one rank commits a shared root; on node-local roots every node commits its part), so all ranks find out:
-
-1. every rank creates a token file ``<run>/_scope/<rank>.<random>`` on its hot root;
-2. all ranks all-gather their tokens, list the folder, and all-gather whose tokens they see;
-3. "sees" must be an equivalence relation (ranks that see each other share a root, a storage *node*), else
-   the start fails with a clear error: a half-shared file system is a misconfiguration no protocol can fix.
-
-One domain: the root is shared and the single commit applies. Several: node-local roots and the two-level
-commit (``trainer/nodes/twolevel.py``). ``CheckpointConfig(hot_scope=...)`` may say which is expected; what is
-found is checked against it, never taken on trust.
-
-Each node's root keeps a node id (``_node.json``, created once per disk): a replaced node comes back with an
-empty disk and so a new id, which is right, since the data the old id named is gone.
+Every rank drops a token file into ``<run>/_scope/``; the ranks exchange their tokens and which they see. "Sees"
+must be an equivalence relation whose classes are the storage nodes, else the start fails (a half-shared file system
+is a misconfiguration no protocol can fix). One class: one shared root; several: node-local roots and the two-level
+commit (``twolevel.py``). ``CheckpointConfig.hot_scope`` is checked against what is found. Each node's root keeps
+its id in ``_node.json`` (a replaced node's empty disk gets a new one). See docs/architecture.md, "Many nodes".
 """
 
 from __future__ import annotations
@@ -26,8 +17,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed as dist
-
+from ckptflow.trainer.distenv import gather
 from ckptflow.trainer.errors import ConfigError
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.fsutil import replace_atomic
@@ -119,8 +109,6 @@ def node_id(root: str) -> str:
 
 def discover(root: str, run_path: str, *, rank: int, world: int, group: Any, requested: str = "auto") -> Topology:
     """Find which ranks share ``root`` (all ranks call this together; see the module docstring)."""
-    if requested not in SCOPES:
-        raise ConfigError(f"CheckpointConfig.hot_scope={requested!r}; choose one of {', '.join(SCOPES)}")
     if world == 1:
         return single(rank, 1)
     scope_dir = os.path.join(run_path, layout.SCOPE_DIR)
@@ -130,12 +118,10 @@ def discover(root: str, run_path: str, *, rank: int, world: int, group: Any, req
     with open(path, "w") as f:
         f.write(socket.gethostname())
     try:
-        tokens: list[Any] = [None] * world
-        dist.all_gather_object(tokens, token, group=group)
+        tokens = gather(token, group)
         present = set(os.listdir(scope_dir))
         seen = sorted(r for r, t in enumerate(tokens) if t in present)
-        seen_by: list[Any] = [None] * world
-        dist.all_gather_object(seen_by, seen, group=group)
+        seen_by = gather(seen, group)
     finally:
         try:
             os.unlink(path)  # every rank has listed (the all-gather above): safe to remove
@@ -153,8 +139,7 @@ def discover(root: str, run_path: str, *, rank: int, world: int, group: Any, req
         return single(rank, world)  # one root: no node ids needed (and none written)
     me = next(i for i, d in enumerate(domains) if rank in d)
     mine = node_id(root) if rank == domains[me][0] else None
-    ids: list[Any] = [None] * world
-    dist.all_gather_object(ids, mine, group=group)
+    ids = gather(mine, group)
     node_ids = tuple(str(ids[d[0]]) for d in domains)
     if len(set(node_ids)) != len(node_ids):
         raise ConfigError(

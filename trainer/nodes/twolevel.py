@@ -42,8 +42,10 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ckptflow.trainer import faults
+from ckptflow.trainer.distenv import gather
 from ckptflow.trainer.errors import CheckpointNotFoundError, CkptflowError, IntegrityError
-from ckptflow.trainer.format import layout
+from ckptflow.trainer.format import commit, layout
 from ckptflow.trainer.format.atomicity import RENAME
 from ckptflow.trainer.format.checksum import hash_bytes
 from ckptflow.trainer.format.manifest import MAX_MANIFEST_BYTES, Manifest
@@ -51,6 +53,7 @@ from ckptflow.trainer.fsutil import fsync_dir, remove_tree, write_durable
 from ckptflow.trainer.nodes import transport
 from ckptflow.trainer.nodes.topology import Topology
 from ckptflow.trainer.nodes.transport import Transfer
+from ckptflow.trainer.verify import check_file, verify_checkpoint
 
 __all__ = [
     "NodeResume",
@@ -129,8 +132,6 @@ class NodeSave:
 
     def replicate(self, manifest: Manifest) -> list[str]:
         """Phase 4; returns this rank's problems (the caller gathers everyone's)."""
-        from ckptflow.trainer import faults
-
         faults.maybe_crash("replicate", self.step)
         plan = replication_plan(self.topo, manifest)
         problems, self.replicated_bytes = transport.run(
@@ -145,8 +146,6 @@ class NodeSave:
 
     def prepare(self, manifest_bytes: bytes, metadata: bytes) -> list[str]:
         """Phase 6 (node leaders): ``.metadata`` then ``manifest.json``, durable; the part is prepared."""
-        from ckptflow.trainer import faults
-
         if not self.topo.is_leader:
             return []
         try:
@@ -162,28 +161,15 @@ class NodeSave:
 
     def decide(self, problems: list[str]) -> list[str]:
         """Phase 7: every rank's problems, gathered — the one value every rank branches on."""
-        world = dist.get_world_size(self.group)
-        allp: list[Any] = [None] * world
-        dist.all_gather_object(allp, problems, group=self.group)
-        return [p for ps in allp for p in ps]
+        return [p for ps in gather(problems, self.group) for p in ps]
 
     def commit(self) -> str:
         """Phase 8 (node leaders): the node's commit point, then ``latest``."""
-        from ckptflow.trainer import faults
-        from ckptflow.trainer.format import commit
-
         final = layout.join(self.run_path, layout.step_name(self.step))
         if not self.topo.is_leader:
             return final
         faults.maybe_crash("decided", self.step)
-        if RENAME.is_committed(self.run_path, self.step):
-            log.warning("%s already committed; discarding the duplicate save in %s", final, self.tmp)
-            remove_tree(self.tmp)
-        else:
-            RENAME.commit(self.run_path, self.step)
-        faults.maybe_crash("after_rename", self.step)
-        commit.write_latest(self.run_path, self.step)
-        faults.maybe_crash("after_latest", self.step)
+        commit.rename_then_latest(self.run_path, self.step)
         return final
 
     def discard(self) -> None:
@@ -223,13 +209,10 @@ def recover(run_path: str, topo: Topology, group: Any) -> dict[str, Any]:
     if topo.is_leader:
         prepared, _ = _prepared(run_path)
         mine = {"committed": RENAME.committed_steps(run_path), "prepared": prepared}
-    facts: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(facts, mine, group=group)
+    facts = gather(mine, group)
     committed_anywhere = {s for d in topo.domains for s in facts[d[0]]["committed"]}
     out: dict[str, Any] = {"rolled_forward": [], "removed": []}
     if topo.is_leader:
-        from ckptflow.trainer.format import commit
-
         prepared, other = _prepared(run_path)
         for s in prepared:
             if s in committed_anywhere and not RENAME.is_committed(run_path, s):
@@ -276,8 +259,6 @@ class NodeResume:
 
 def _holdings(run_path: str, key: bytes | None) -> dict[int, dict[str, Any]]:
     """Per committed step on this node: its manifest's digest and the files present (by size)."""
-    from ckptflow.trainer.format import commit
-
     out: dict[int, dict[str, Any]] = {}
     for s in RENAME.committed_steps(run_path):
         d = os.path.join(run_path, layout.step_name(s))
@@ -349,15 +330,10 @@ def resume_point(
     """Agree on the newest recoverable step, bring every node what its ranks will read, verify it (module
     docstring). ``needs(step_dir, manifest)`` -> the files this rank's load reads (its DCP load plan);
     called once ``.metadata`` is local and verified."""
-    from ckptflow.trainer.format import commit
-    from ckptflow.trainer.verify import verify_checkpoint
-
-    world = dist.get_world_size(group)
     exclude: set[tuple[int, str]] = set()
     for _attempt in range(4):  # each retry drops at least one bad copy; 4 is plenty
-        facts: list[Any] = [None] * world
         mine = (_holdings(run_path, key), commit.read_latest(run_path)) if topo.is_leader else None
-        dist.all_gather_object(facts, mine, group=group)
+        facts = gather(mine, group)
         nodes = [facts[d[0]][0] for d in topo.domains]
         latest = facts[topo.leader][1]
         step, skipped = _choose(topo, nodes, exclude)
@@ -403,8 +379,7 @@ def resume_point(
             write_durable(os.path.join(stage, layout.MANIFEST), box[0])
         dist.barrier(group=group)
         mine_needs = _needs_checked(stage, manifest, needs)
-        all_needs: list[Any] = [None] * world
-        dist.all_gather_object(all_needs, sorted(mine_needs), group=group)
+        all_needs = gather(sorted(mine_needs), group)
         per_node = {
             i: {f for r in dom for f in all_needs[r]} | {layout.DCP_METADATA} for i, dom in enumerate(topo.domains)
         }
@@ -419,9 +394,7 @@ def resume_point(
         mine_v = sorted(per_node[topo.domain])[local.index(topo.rank) :: len(local)]
         res = verify_checkpoint(d, only=mine_v, key=key)
         bad = [(topo.domain, str(p.path).rsplit("/", 1)[-1], str(p)) for p in res.problems]
-        allbad: list[Any] = [None] * world
-        dist.all_gather_object(allbad, bad, group=group)
-        flat = [b for bs in allbad for b in bs]
+        flat = [b for bs in gather(bad, group) for b in bs]
         if not flat:
             return out
         for node, name, why in flat:
@@ -443,8 +416,6 @@ def resume_point(
 
 def _needs_checked(step_dir: str, manifest: Manifest, needs: Callable[[str, Manifest], set[str]]) -> set[str]:
     """This rank's load plan, computed only after ``.metadata`` matched its manifest digest."""
-    from ckptflow.trainer.verify import check_file
-
     e = manifest.files[layout.DCP_METADATA]
     p = check_file(step_dir, layout.DCP_METADATA, e.size, e.checksum)
     if p is not None:
@@ -493,10 +464,7 @@ def _fetch(
         dest_dir=lambda n: stage,
         timeout_s=timeout_s,
     )
-    world = dist.get_world_size(group)
-    allp: list[Any] = [None] * world
-    dist.all_gather_object(allp, problems, group=group)
-    flat = [p for ps in allp for p in ps]
+    flat = [p for ps in gather(problems, group) for p in ps]
     if not flat:
         for t in plan:
             present[topo.domain_of(t.dst)].add(t.name)
