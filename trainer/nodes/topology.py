@@ -109,6 +109,8 @@ def node_id(root: str) -> str:
 
 def discover(root: str, run_path: str, *, rank: int, world: int, group: Any, requested: str = "auto") -> Topology:
     """Find which ranks share ``root`` (all ranks call this together; see the module docstring)."""
+    if requested not in SCOPES:  # callers other than CheckpointConfig reach here too
+        raise ConfigError(f"CheckpointConfig.hot_scope={requested!r}; choose one of {', '.join(SCOPES)}")
     if world == 1:
         return single(rank, 1)
     scope_dir = os.path.join(run_path, layout.SCOPE_DIR)
