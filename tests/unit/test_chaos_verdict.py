@@ -64,6 +64,8 @@ def test_chaos_net_kind_draws_every_fault_and_replays_by_seed():
     from ckptflow.chaos.kinds import net
 
     drawn = [net.plan(random.Random(s), None) for s in range(200)]
-    assert {p["fault"] for p in drawn} == {"cut", "cut@train", "flap", "throttle"}
+    assert {p["fault"] for p in drawn} == set(net.FAULTS)
     assert {p["phase"] for p in drawn if p["fault"] == "cut"} == set(net.PHASES)
+    assert {p["ms"] for p in drawn if p["fault"] == "delay"} == {5, 20, 50}
+    assert {p["pct"] for p in drawn if p["fault"] == "loss"} == {1, 5, 10}
     assert drawn == [net.plan(random.Random(s), None) for s in range(200)]
