@@ -812,39 +812,13 @@ class NetNodes:
                 if i in relay:  # node -- relay namespace -- bridge port
                     r = f"{self.name}-r{i}"
                     self._add(r)
-                    _ip("link", "add", self.LINK, "netns", ns, "type", "veth", "peer", "name", "ra", "netns", r)
-                    _ip(
-                        "link",
-                        "add",
-                        "rb",
-                        "netns",
-                        r,
-                        "type",
-                        "veth",
-                        "peer",
-                        "name",
-                        f"n{i}",
-                        "netns",
-                        self.bridge_ns,
-                    )
+                    _veth(self.LINK, ns, "ra", r)
+                    _veth("rb", r, f"n{i}", self.bridge_ns)
                     for dev in ("ra", "rb"):
                         self._in(r, "ip", "link", "set", dev, "promisc", "on", "up")
                     self._start_relay(i, r)
                 else:
-                    _ip(
-                        "link",
-                        "add",
-                        self.LINK,
-                        "netns",
-                        ns,
-                        "type",
-                        "veth",
-                        "peer",
-                        "name",
-                        f"n{i}",
-                        "netns",
-                        self.bridge_ns,
-                    )
+                    _veth(self.LINK, ns, f"n{i}", self.bridge_ns)
                 self._in(ns, "ip", "addr", "add", f"{self.addr(i)}/24", "dev", self.LINK)
                 self._in(ns, "ip", "link", "set", self.LINK, "up")
                 self._in(self.bridge_ns, "ip", "link", "set", f"n{i}", "master", "br0")
@@ -941,6 +915,11 @@ class NetNodes:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _veth(a: str, ns_a: str, b: str, ns_b: str) -> None:
+    """A veth pair: ``a`` in namespace ``ns_a``, its peer ``b`` in ``ns_b``."""
+    _ip("link", "add", a, "netns", ns_a, "type", "veth", "peer", "name", b, "netns", ns_b)
 
 
 def _ip(*args: str) -> None:

@@ -105,7 +105,7 @@ def run(
     received = 0
     pace = pace or Pace(timeout_s)
     timeout = timedelta(seconds=timeout_s)
-    bufs = _Buffers()
+    send_buf, recv_buf = _Buffer(), _Buffer()
     slowest = torch.zeros(1, dtype=torch.float64)
     for rnd in rounds(sorted(plan)):
         send = next((t for t in rnd if t.src == rank), None)
@@ -123,12 +123,12 @@ def run(
                 t0 = time.perf_counter()
                 works = []
                 if sender is not None and send in moving:
-                    view = bufs.send(step[send])
+                    view = send_buf.view(step[send])
                     sender.fill(view)
                     works.append(dist.isend(view, dst=send.dst, group=group))
                 rview = None
                 if receiver is not None and recv in moving:
-                    rview = bufs.recv(step[recv])
+                    rview = recv_buf.view(step[recv])
                     works.append(dist.irecv(rview, src=recv.src, group=group))
                 for w in works:
                     if w is not None:
@@ -148,22 +148,16 @@ def run(
     return problems, received
 
 
-class _Buffers:
-    """One send and one receive buffer, grown to the largest chunk asked for (views of them are sent)."""
+class _Buffer:
+    """A byte buffer grown to the largest chunk asked for; chunks are views of it."""
 
     def __init__(self) -> None:
-        self._send = torch.empty(0, dtype=torch.uint8)
-        self._recv = torch.empty(0, dtype=torch.uint8)
+        self._t = torch.empty(0, dtype=torch.uint8)
 
-    def send(self, n: int) -> torch.Tensor:
-        if n > len(self._send):
-            self._send = torch.empty(n, dtype=torch.uint8)
-        return self._send[:n]
-
-    def recv(self, n: int) -> torch.Tensor:
-        if n > len(self._recv):
-            self._recv = torch.empty(n, dtype=torch.uint8)
-        return self._recv[:n]
+    def view(self, n: int) -> torch.Tensor:
+        if n > len(self._t):
+            self._t = torch.empty(n, dtype=torch.uint8)
+        return self._t[:n]
 
 
 class _Sender:
