@@ -186,6 +186,8 @@ def node_queues(pool: str = "ckptflow-pool", *, polled_within_s: float | None = 
 
 NO_WORKER = "NO_WORKER"
 """A node's scan state when no worker polled its queue lately (a node gone or replaced)."""
+SKIPPED = "SKIPPED"
+"""A node not asked to prune a step whose promote part it did not finish (taken over from replicas)."""
 
 
 def scan_all(
@@ -384,7 +386,9 @@ def _verify_warm(ref: CheckpointRef) -> Done:
 
 def _prune(ref: CheckpointRef) -> Done:
     """Warm and cold by their policies (here); every node's hot on that node, not waited for long:
-    a node that is down prunes at its next lifecycle."""
+    a node that is down prunes at its next lifecycle. A node whose promote part did not come in is not
+    asked at all (a node that is gone would hold every lifecycle here for the whole wait)."""
+    from ckptflow.tasks import records
     from ckptflow.tasks.prune import prune_run
 
     t0 = time.perf_counter()
@@ -398,7 +402,11 @@ def _prune(ref: CheckpointRef) -> Done:
             "planned": rep.planned,
             "errors": {str(k): v for k, v in rep.errors.items()},
         }
-    states = fan_out("prune", ref, list(ref.nodes), timeout_s=min(120.0, ref.cfg.lifecycle.node_part_timeout_s))
+    promoted = records.read_record(ref.records_path, ref.step, NODE_PROMOTE.record) or {}
+    late = {n for n, st in (promoted.get("part_states") or {}).items() if n in ref.nodes and st != "COMPLETED"}
+    asked = [n for n in ref.nodes if n not in late]
+    states = fan_out("prune", ref, asked, timeout_s=min(120.0, ref.cfg.lifecycle.node_part_timeout_s)) if asked else {}
+    states.update(dict.fromkeys(late, SKIPPED))
     return Done({"tiers": tiers, "nodes": states, "dry_run": False, "seconds": time.perf_counter() - t0})
 
 

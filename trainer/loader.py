@@ -14,13 +14,12 @@ import torch
 import torch.distributed as dist
 
 from ckptflow.trainer.distenv import DistEnv
-from ckptflow.trainer.errors import ConfigError, IntegrityError
+from ckptflow.trainer.errors import ConfigError, IntegrityError, ManifestError
 from ckptflow.trainer.format.manifest import Manifest
 from ckptflow.trainer.safetree import decode
 from ckptflow.trainer.state import (
+    LAYOUT,
     RANKS,
-    RNG_TAG,
-    TRAIN_TAG,
     TrainState,
     apply_loaded_state,
     buffer_keys,
@@ -28,10 +27,7 @@ from ckptflow.trainer.state import (
     prefill_optimizer_state,
     reseed_rng,
     restore_rng,
-    rng_key,
     states_equal,
-    train_state,
-    unwrap,
 )
 
 __all__ = ["files_read", "load_local", "load_target", "load_verified"]
@@ -49,6 +45,13 @@ WHY_BYTES = 2048
 def load_target(manifest: Manifest, *, env: DistEnv, state: TrainState, metadata: Any = None) -> dict[str, Any]:
     """The state dict ``dcp.load`` fills for this rank (its structure decides what is read). ``metadata``:
     DCP's (parsed by the restricted reader), for the sizes of the per-rank entries."""
+    layout = int(manifest.state.get("layout", 1))
+    if layout != LAYOUT:
+        raise ManifestError(
+            f"step {manifest.step}: its non-tensor state is in layout {layout} (written by a development build "
+            f"before 0.1.0); this version reads layout {LAYOUT} only. Its model and optimizer tensors are plain "
+            "DCP: read them with dcp.load and save them again with this version",
+        )
     model, optimizer = state.model, state.optimizer
     if optimizer is not None:
         prefill_optimizer_state(model, optimizer, metadata)
@@ -63,8 +66,6 @@ def load_target(manifest: Manifest, *, env: DistEnv, state: TrainState, metadata
         rank=env.rank,
         world=env.world_size,
         saved_ranks=int(manifest.state.get("rng_ranks", 0)),
-        layout=int(manifest.state.get("layout", 1)),
-        train=train_state(0, scheduler=state.scheduler, scaler=state.scaler, sampler=state.sampler, extra=state.extra),
         entry_bytes=sizes,
     )
 
@@ -104,7 +105,6 @@ def load_verified(
     # reference counting frees them anyway; pausing skips the passes, not the freeing.
     gc_was = gc.isenabled()
     gc.disable()
-    layout1 = int(manifest.state.get("layout", 1)) == 1
     try:
         try:
             md = reader.read_metadata()
@@ -123,18 +123,6 @@ def load_verified(
         reader.unmap()
         if gc_was:
             gc.enable()
-    if layout1:
-        return _apply_layout1(
-            target,
-            manifest,
-            env=env,
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            scaler=scaler,
-            sampler=sampler,
-            extra=extra,
-        )
     saved = int(manifest.state.get("rng_ranks", 0))
     per = {
         int(k[len("rank") :]): decode(v.numpy().tobytes(), source=f"{path}: {RANKS}.{k}")
@@ -222,28 +210,3 @@ def _rank_part(key: str, per: dict[int, Any], own: Any, saved: int, env: DistEnv
         f"CheckpointManager(reshard_state=fn), fn(name, saved_states, rank, world) -> this rank's state "
         f"(e.g. re-split the data position), or resume at world size {saved}"
     )
-
-
-def _apply_layout1(
-    target: dict[str, Any],
-    manifest: Manifest,
-    *,
-    env: DistEnv,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    scheduler: Any,
-    scaler: Any,
-    sampler: Any,
-    extra: Any,
-) -> dict[str, Any]:
-    """Checkpoints written before layout 2 (sampler and ``extra`` shared, RNG per rank)."""
-    apply_loaded_state(target, model=model, optimizer=optimizer)
-    tr = unwrap(TRAIN_TAG, target["train"])
-    for obj, key in ((scheduler, "scheduler"), (scaler, "scaler"), (sampler, "sampler"), (extra, "extra")):
-        if obj is not None and tr.get(key) is not None:
-            obj.load_state_dict(tr[key])
-    if "rng" in target:
-        restore_rng(unwrap(RNG_TAG, target["rng"][rng_key(env.rank)]))
-    else:
-        reseed_rng((manifest.step * 1_000_003 + env.rank) & 0x7FFFFFFF)
-    return tr

@@ -29,8 +29,6 @@ __all__ = [
     "LAYOUT",
     "OPTIM_STATE",
     "RANKS",
-    "RNG_TAG",
-    "TRAIN_TAG",
     "TrainState",
     "apply_loaded_state",
     "buffer_keys",
@@ -44,9 +42,6 @@ __all__ = [
     "rng_key",
     "shared_state",
     "states_equal",
-    "train_state",
-    "unwrap",
-    "wrap",
 ]
 
 
@@ -94,28 +89,15 @@ def rng_key(rank: int) -> str:
     return f"rank{rank}"
 
 
-# DCP flattens nested dicts to one entry per leaf and matches them by name on load, so non-tensor state
-# would need the same structure in both jobs; a tagged tuple is one leaf whose content may differ freely.
 LAYOUT = 2
-"""``manifest.state["layout"]``. 2: each rank's non-tensor state is one ``uint8`` tensor ``ranks.rank<r>``
-(``safetree.py``). 1: pickled tagged tuples, sampler and ``extra`` shared in ``train``, only the RNG per rank
-(still read, through PyTorch's restricted loader)."""
-TRAIN_TAG = "ckptflow.train.v1"  # layout 1: step, scheduler, scaler, sampler, extra
-RNG_TAG = "ckptflow.rng.v1"  # layout 1: one rank's RNG
+"""``manifest.state["layout"]``: each rank's non-tensor state is one ``uint8`` tensor ``ranks.rank<r>``
+(``safetree.py``). DCP flattens nested dicts to one entry per leaf and matches them by name on load, so plain
+non-tensor state would need the same structure in both jobs; one encoded tensor per rank may differ freely.
+Layout 1 (pickled tuples, before 0.1.0) is refused with an error saying how to read it."""
 RANKS = "ranks"
 
 # Wrappers whose prefix get_state_dict drops from state-dict keys but named_buffers keeps.
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
-
-
-def wrap(tag: str, value: Any) -> tuple[str, Any]:
-    return (tag, value)
-
-
-def unwrap(tag: str, leaf: Any) -> Any:
-    if not (isinstance(leaf, tuple) and len(leaf) == 2 and leaf[0] == tag):
-        raise ValueError(f"expected a {tag} entry in the checkpoint, found {type(leaf).__name__}")
-    return leaf[1]
 
 
 def _plain_name(name: str) -> str:
@@ -147,13 +129,6 @@ def rank_state(*, sampler: Any = None, extra: Any = None) -> dict[str, Any]:
     }
 
 
-def train_state(
-    step: int, *, scheduler: Any = None, scaler: Any = None, sampler: Any = None, extra: Any = None
-) -> dict[str, Any]:
-    """Layout 1's ``train`` entry (kept for reading older checkpoints and benchmarks)."""
-    return {**shared_state(step, scheduler=scheduler, scaler=scaler), **rank_state(sampler=sampler, extra=extra)}
-
-
 def build_save_state(
     *,
     model: torch.nn.Module,
@@ -162,7 +137,7 @@ def build_save_state(
     train: dict[str, Any],
     per_rank: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The state dict handed to ``dcp.async_save`` for this rank (layout 2). Model/optimizer tensors are
+    """The state dict handed to ``dcp.async_save`` for this rank. Model/optimizer tensors are
     *views* of live state, copied later by the async stager; the rest is a private copy made now. Replicated
     entries (the model under DDP, ``train``) are written from rank 0 (``dcp/planner.py``); each rank's RNG,
     ``per_rank`` state and module buffers go into its own entry, since they differ across ranks."""
@@ -185,13 +160,11 @@ def build_load_target(
     rank: int,
     world: int,
     saved_ranks: int,
-    layout: int = LAYOUT,
-    train: dict[str, Any] | None = None,
     entry_bytes: dict[str, int] | None = None,
 ) -> dict[str, Any]:
-    """A state dict of the right structure for ``dcp.load`` to fill in place. Layout 2: at the saving world
-    size each rank reads its own per-rank entry, at another every saved rank's (to decide what a resharded
-    rank gets). ``entry_bytes``: the size of each ``ranks.rank<r>`` entry (from DCP's metadata)."""
+    """A state dict of the right structure for ``dcp.load`` to fill in place. At the saving world size each rank
+    reads its own per-rank entry, at another every saved rank's (to decide what a resharded rank gets).
+    ``entry_bytes``: the size of each ``ranks.rank<r>`` entry (from DCP's metadata)."""
     if optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         target: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
@@ -199,11 +172,6 @@ def build_load_target(
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         target = {"model": get_model_state_dict(model)}
-    if layout == 1:
-        target["train"] = wrap(TRAIN_TAG, copy.deepcopy(train or train_state(0)))
-        if rank < saved_ranks:
-            target["rng"] = {rng_key(rank): wrap(RNG_TAG, capture_rng())}
-        return target
     sizes = entry_bytes or {}
     wanted = [rank] if world == saved_ranks else list(range(saved_ranks))
     wanted = [r for r in wanted if f"{RANKS}.{rng_key(r)}" in sizes]

@@ -174,7 +174,9 @@ def run_node_demo(s: DemoSettings, nodes: int = 2, say: Callable[[str], None] = 
         out.lifecycle_states = _wait_lifecycles(set(lifecycle_names(RUN_ID, steps)), left, say)
         from ckptflow.trainer.format import layout
 
-        out.checkpoints = _checkpoint_rows(general, layout.run_dir(os.path.join(wd, "warm"), RUN_ID), steps)
+        out.checkpoints = _checkpoint_rows(
+            general, layout.run_dir(os.path.join(wd, "warm"), RUN_ID), steps, hot_roots=roots
+        )
         say("restore drill: newest cold checkpoint -> scratch -> sanity step at world size 1 ...")
         from ckptflow.flows.drill import DrillFailed, restore_drill
 

@@ -132,17 +132,29 @@ def lifecycle_problems(names: list[str], states: dict[str, str]) -> list[str]:
     return out
 
 
-def _checkpoint_rows(cfg_path: str, run_path: str, steps: list[int], run_id: str = RUN_ID) -> list[dict]:
-    from ckptflow.tasks.config import load_config
+def _checkpoint_rows(
+    cfg_path: str, run_path: str, steps: list[int], run_id: str = RUN_ID, hot_roots: list[str] | None = None
+) -> list[dict]:
+    """One row per step: its tiers, sizes, verification and stages. ``hot_roots``: the nodes' own hot roots
+    (node-local runs), whose checkpoints the config's hot tier does not hold; ``hot`` then means "on some node's
+    hot root" and ``hot_nodes`` says on how many."""
+    from ckptflow.tasks.config import TierConfig, load_config
     from ckptflow.tasks.stages import RECORDS, VERIFY, stage_records
     from ckptflow.tasks.storage import Tier
 
     cfg = load_config(cfg_path)
     tiers = {t.name: Tier(t) for t in cfg.tiers()}
+    nodes = [Tier(TierConfig(name="hot", url=r)) for r in hot_roots or []]
     rows = []
     for s in steps:
         row: dict[str, Any] = {"step": s, "tiers": [], "raw": None, "stored": {}}
+        if nodes:
+            row["hot_nodes"] = sum(t.is_committed(run_id, s) for t in nodes)
         for name, t in tiers.items():
+            if nodes and name == "hot":
+                if row["hot_nodes"]:
+                    row["tiers"].append(name)
+                continue
             if t.is_committed(run_id, s):
                 row["tiers"].append(name)
                 idx = t.read_index(run_id, s) if name != "hot" else None

@@ -22,6 +22,8 @@ def test_node_demo_takes_every_checkpoint_through_the_node_workers_to_cold(tmp_p
     assert len(set(s["nodes"])) == 3, "node 1 came back as a new node"
     assert any("resumed from step 10" in x and "fetched" in x for x in s["resumed"]), s["resumed"]
     assert [c["step"] for c in s["checkpoints"]] == [10, 20]
+    newest = s["checkpoints"][-1]  # on both nodes' own hot roots (the summary's "hot")
+    assert newest["hot_nodes"] == 2 and newest["tiers"][0] == "hot", newest
     for c in s["checkpoints"]:
         assert c["stages"] == ["verified", "promoted", "exported", "archived", "pruned"], c
         assert c["export"]["location"].startswith(str(wd / "warm")) and c["export"]["tensors"] > 0, c

@@ -456,3 +456,17 @@ def test_without_the_c_extension_a_checkpoint_loads_and_replays_its_probe_bitwis
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["ok"] and res["probe_match"] == "bitwise", res
+
+
+def test_a_checkpoint_in_state_layout_1_is_refused_with_how_to_read_it():
+    """Layout 1 (before 0.1.0) is not read; the error says which layout and how to get the tensors out."""
+    import torch
+
+    from ckptflow.trainer.distenv import DistEnv
+    from ckptflow.trainer.loader import load_target
+    from ckptflow.trainer.state import TrainState
+
+    old = Manifest(run_id="r", step=7, world_size=1, files={}, state={"layout": 1, "rng_ranks": 1})
+    env = DistEnv(0, 1, 0, 1, 0, None)  # type: ignore[arg-type]  # refused before any collective
+    with pytest.raises(ManifestError, match=r"step 7: .* layout 1 .* reads layout 2 only.*dcp\.load"):
+        load_target(old, env=env, state=TrainState(torch.nn.Linear(2, 2)))
