@@ -2,8 +2,8 @@
 
 * ``s3_endpoint``: moto's S3-compatible server in its own process on 127.0.0.1,
   spoken to over HTTP exactly like a real object store.
-* ``prefect_api``: one Prefect test harness (a real API server with SQLite) per
-  session; it takes 20-30 s to start, so never per test.
+* ``prefect_api``: one real Prefect server (SQLite) per session; it takes 20-30 s to
+  start, so never per test.
 * ``torchrun``: launches real ``torchrun`` jobs (gloo, CPU) and returns the result.
 * ``tiny_run``: a committed run of the tiny reference model (read-only).
 * ``golden``: the loss and LR of every step of an uninterrupted 2-rank run of the tiny model,
@@ -55,30 +55,28 @@ def s3_bucket(s3_endpoint):
 
 
 @pytest.fixture(scope="session")
-def prefect_api():
-    """A real Prefect API (test harness) for the whole session; yields its URL.
+def prefect_api(tmp_path_factory):
+    """A real Prefect server for the whole session (``prefect server start``, SQLite, as the demo
+    starts it); yields its URL, which this process's Prefect settings point at meanwhile.
 
-    Started again (on a new port) when its first health probe fails with anything but a refused
-    connection: Prefect's harness waits out only that one, and on a loaded machine the probe
-    also met a reset connection (a port another process of the suite had just taken), which
-    failed every test of the worker that drew it."""
-    import contextlib
+    Not Prefect's test harness: it takes its port from the kernel's ephemeral range, where any
+    client socket can take it before the server binds (a first health probe then met a reset
+    connection), and its exit drains Prefect's log and event workers without a bound; after such
+    a start a CI worker waited there for good, with both servers still running. Here the port
+    comes from below that range (``harness.free_port``), and the drain is bounded."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    import httpx
-    from prefect.testing.utilities import prefect_test_harness
+    from ckptflow.harness import PrefectServer
 
-    for attempt in range(3):
-        with contextlib.ExitStack() as stack:
-            try:
-                stack.enter_context(prefect_test_harness(server_startup_timeout=120))
-            except httpx.TransportError:
-                if attempt == 2:
-                    raise
-                continue
-            from prefect.settings import PREFECT_API_URL
-
-            yield PREFECT_API_URL.value()
-            return
+    home = tmp_path_factory.mktemp("prefect")
+    with PrefectServer(str(home / "home"), str(home / "server.log")) as server:
+        with temporary_settings(updates={PREFECT_API_URL: server.url}):
+            yield server.url
+            # what the session's flows logged and emitted reaches the server before it stops
+            for worker in (APILogWorker, EventsWorker):
+                worker.drain_all(timeout=10)
 
 
 @pytest.fixture

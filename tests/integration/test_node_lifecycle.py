@@ -8,6 +8,7 @@ in this process (as the trigger would run it on a general worker) and fans the p
 
 from __future__ import annotations
 
+import contextvars
 import json
 import os
 import shutil
@@ -292,7 +293,9 @@ def test_a_lost_node_s_steps_finish_from_replicas(deployed, tmp_path, s3_endpoin
         for node, cfg in cfgs.items():
             w.start(node, cfg)
         w.wait_polling()
-        t = threading.Thread(target=lambda: done.setdefault("out", _lifecycle(c4, general)))
+        # in this context: the session's Prefect settings (its server's URL) are a context variable
+        ctx = contextvars.copy_context()
+        t = threading.Thread(target=ctx.run, args=(lambda: done.setdefault("out", _lifecycle(c4, general)),))
         t.start()
         t.join(600)
     finally:
