@@ -41,9 +41,13 @@ def adopt_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProces
 
 def run_script(script: str, env: dict | None = None, *, timeout: float = 300) -> subprocess.CompletedProcess:
     """``python -c script`` from the repository, in a child's environment (``env`` on top): a real
-    process of its own, so a script can build its process group and exit as a worker does."""
+    process of its own, so a script can build its process group and exit as a worker does. A script
+    that runs to its end exits as the trainer's workers do (``distenv.exit_process``): interpreter
+    finalization can tear down gloo's threads mid-call and SIGABRT a script that succeeded (seen in CI:
+    ``terminate called without an active exception`` after its result was printed)."""
+    ended = script + "\nfrom ckptflow.trainer.distenv import exit_process as _exit_process\n_exit_process(0)\n"
     return subprocess.run(
-        [PY, "-c", script], cwd=REPO, env=torchrun_env(env), capture_output=True, text=True, timeout=timeout
+        [PY, "-c", ended], cwd=REPO, env=torchrun_env(env), capture_output=True, text=True, timeout=timeout
     )
 
 
