@@ -23,6 +23,7 @@ releases the slots of the machine's dead holders (:class:`_Holders`), within ``P
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import os
 import socket
@@ -39,9 +40,12 @@ STAGE_LIMITS = {"verify": "sanity", "archive": "upload"}
 
 SLOT_LEASE_S = 60.0
 """How long the server keeps a slot whose holder stopped renewing it (the holder renews every
-20 s). It bounds a slot whose holder's whole machine vanished; a holder that died on a machine
+``RENEW_S``). It bounds a slot whose holder's whole machine vanished; a holder that died on a machine
 that goes on is noticed sooner (:func:`reap_dead_holders`). 60 s is the shortest lease the
 server accepts."""
+
+RENEW_S = SLOT_LEASE_S / 3
+"""How often a holder renews its slot's lease."""
 
 POLL_S = 2.0
 """The longest wait between two tries for a full limit: each try first releases the slots of
@@ -107,7 +111,11 @@ def machine_slot(stage: str) -> Iterator[None]:
         return
     holders.add(lease)
     stop = threading.Event()
-    renewer = threading.Thread(target=_renew, args=(lease, stop), name=f"lease-{name}", daemon=True)
+    # In the caller's context: the Prefect settings it took the slot with (a plain thread sees only
+    # the process's root settings, and without an API URL there its client starts a local server).
+    renewer = threading.Thread(
+        target=contextvars.copy_context().run, args=(_renew, lease, stop), name=f"lease-{name}", daemon=True
+    )
     renewer.start()
     try:
         yield
@@ -143,12 +151,16 @@ def _renew(lease: str, stop: threading.Event) -> None:
     the limit guards the machine's load, never correctness)."""
     from prefect.client.orchestration import get_client
 
+    if stop.wait(RENEW_S):  # most stages end before a renewal is due: no client at all
+        return
     with get_client(sync_client=True) as c:
-        while not stop.wait(SLOT_LEASE_S / 3):
+        while True:
             try:
                 c.renew_concurrency_lease(lease_id=uuid.UUID(lease), lease_duration=SLOT_LEASE_S)
             except Exception as e:
                 log.warning("could not renew concurrency lease %s: %s", lease, e)
+            if stop.wait(RENEW_S):
+                return
 
 
 def _release(lease: str, client: Any = None) -> None:

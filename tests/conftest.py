@@ -23,7 +23,7 @@ import pytest
 from filelock import FileLock
 
 from ckptflow.harness import MotoServer
-from tests.helpers import last_per_step, make_run, metrics, run_torchrun
+from tests.helpers import last_per_step, make_run, metrics, prefect_at, run_torchrun
 
 
 @pytest.fixture(scope="session")
@@ -63,20 +63,13 @@ def prefect_api(tmp_path_factory):
     client socket can take it before the server binds (a first health probe then met a reset
     connection), and its exit drains Prefect's log and event workers without a bound; after such
     a start a CI worker waited there for good, with both servers still running. Here the port
-    comes from below that range (``harness.free_port``), and the drain is bounded."""
-    from prefect.events.worker import EventsWorker
-    from prefect.logging.handlers import APILogWorker
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
+    comes from below that range (``harness.free_port``), and the drain is bounded (``prefect_at``)."""
     from ckptflow.harness import PrefectServer
 
     home = tmp_path_factory.mktemp("prefect")
-    with PrefectServer(str(home / "home"), str(home / "server.log")) as server:
-        with temporary_settings(updates={PREFECT_API_URL: server.url}):
-            yield server.url
-            # what the session's flows logged and emitted reaches the server before it stops
-            for worker in (APILogWorker, EventsWorker):
-                worker.drain_all(timeout=10)
+    with PrefectServer(str(home / "home"), str(home / "server.log")) as server, prefect_at(server.url):
+        # what the session's flows logged and emitted reaches the server before it stops
+        yield server.url
 
 
 @pytest.fixture

@@ -10,6 +10,8 @@ import json
 import math
 import os
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -284,6 +286,32 @@ def alive(pid: int) -> bool:
             return f.read().split(") ")[1][0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def _drain_prefect_workers() -> None:
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        worker.drain_all(timeout=10)
+
+
+@contextmanager
+def prefect_at(api: str) -> Iterator[str]:
+    """This process's Prefect settings pointed at the server ``api`` for the block.
+
+    Prefect's event and log workers are process-wide, and each keeps the server it first sent
+    to: after a block on another server (the fleet's PostgreSQL one), a later test's events went
+    to that stopped server and were lost, and the process spent minutes at exit retrying them.
+    They are drained, with a bound, on the way in and on the way out."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    _drain_prefect_workers()
+    with temporary_settings(updates={PREFECT_API_URL: api}):
+        try:
+            yield api
+        finally:
+            _drain_prefect_workers()
 
 
 def server_event(api: str, resource: str, name: str | None = None) -> dict:

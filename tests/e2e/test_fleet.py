@@ -5,7 +5,9 @@ none is processed twice; a server outage is caught up by reconcile."""
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 import subprocess
 import time
 
@@ -13,7 +15,7 @@ import pytest
 
 from ckptflow.harness import PostgresServer, PrefectServer, child_env
 from ckptflow.trainer.format import layout
-from tests.helpers import PY, REPO, make_run, write_config
+from tests.helpers import PY, REPO, make_run, prefect_at, write_config
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +31,8 @@ def prefect_pg(tmp_path_factory):
 def _lifecycle_runs(api: str, prefix: str) -> list:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
-    from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as c:
+    with prefect_at(api), get_client(sync_client=True) as c:
         return c.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=prefix)), limit=200)
 
 
@@ -114,7 +115,6 @@ def test_three_runs_at_once_every_commit_verified_once_on_postgres(prefect_pg, s
 def test_reconcile_catches_up_commits_made_while_the_server_was_down(prefect_pg, s3_endpoint, s3_bucket, tmp_path):
     """Commits while the server is down leave their events in the outbox; after it is back, one
     reconcile run starts every missed lifecycle and each ends verified."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from ckptflow.flows.reconcile import reconcile
 
@@ -125,7 +125,7 @@ def test_reconcile_catches_up_commits_made_while_the_server_was_down(prefect_pg,
         make_run(hot, "pg-down", max_steps=4, save_every=2, env={"PREFECT_API_URL": prefect_pg.url})
     finally:
         prefect_pg.start()
-    with temporary_settings({PREFECT_API_URL: prefect_pg.url}):
+    with prefect_at(prefect_pg.url):
         out = reconcile(config=cfg)
         again = reconcile(config=cfg)
     assert out["runs"]["pg-down"]["unfinished"] == [2, 4]
@@ -137,13 +137,12 @@ def test_reconcile_catches_up_commits_made_while_the_server_was_down(prefect_pg,
 
 def test_each_machine_gets_its_own_sanity_and_upload_limit(prefect_pg, monkeypatch):
     from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from ckptflow.flows.limits import ensure_machine_limits, machine_slot
 
     monkeypatch.setenv("PREFECT_API_URL", prefect_pg.url)
     monkeypatch.setenv("CKPTFLOW_HOST", "m1")
-    with temporary_settings({PREFECT_API_URL: prefect_pg.url}):
+    with prefect_at(prefect_pg.url):
         assert ensure_machine_limits(1, 2) == {"ckptflow-sanity-m1": 1, "ckptflow-upload-m1": 2}
         assert ensure_machine_limits(3, 2)["ckptflow-sanity-m1"] == 3  # a restart with a new config updates it
         with get_client(sync_client=True) as c:
@@ -156,18 +155,48 @@ def test_each_machine_gets_its_own_sanity_and_upload_limit(prefect_pg, monkeypat
             pass
 
 
+def test_a_slot_held_past_its_renewal_is_renewed_on_the_callers_server(prefect_pg, monkeypatch, caplog):
+    """The lease is renewed from a thread of its own, with the Prefect settings the slot was taken
+    with: a plain thread saw none, and its client started a local server of its own (a process
+    that outlived the test) and renewed there a lease that server never had."""
+    import logging
+
+    import prefect.settings  # noqa: F401 - the process's root settings, as a flow process has them, hold no URL
+
+    from ckptflow.flows import limits
+
+    monkeypatch.setenv("PREFECT_API_URL", prefect_pg.url)  # machine_slot's switch
+    monkeypatch.setenv("CKPTFLOW_HOST", "m-renew")
+    monkeypatch.setattr(limits, "RENEW_S", 1.0)
+    before = set(_children())
+    with prefect_at(prefect_pg.url), caplog.at_level(logging.WARNING, logger=limits.__name__):
+        limits.ensure_machine_limits(1, 1)
+        with limits.machine_slot("verify"):
+            time.sleep(2.5)  # two renewals
+    assert not [r for r in caplog.records if "renew" in r.getMessage()], caplog.text
+    assert set(_children()) - before == set(), "no Prefect server of this process's own"
+
+
+def _children() -> list[int]:
+    """This process's child processes, whichever of its threads started them."""
+    out: list[int] = []
+    for path in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
+        with open(path) as f:
+            out += [int(x) for x in f.read().split()]
+    return out
+
+
 def test_two_workers_of_one_machine_starting_at_once_both_get_its_limits(prefect_pg, monkeypatch):
     """The second worker's read found no limit, the first created it before the second's create:
     the second sets its values on the existing limit instead of exiting (``ObjectAlreadyExists``)."""
     from prefect.client.orchestration import SyncPrefectClient, get_client
     from prefect.exceptions import ObjectNotFound
-    from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from ckptflow.flows.limits import ensure_machine_limits
 
     monkeypatch.setenv("PREFECT_API_URL", prefect_pg.url)
     monkeypatch.setenv("CKPTFLOW_HOST", "race")
-    with temporary_settings({PREFECT_API_URL: prefect_pg.url}):
+    with prefect_at(prefect_pg.url):
         ensure_machine_limits(1, 1)  # the first worker
 
         def not_there_yet(self, name):  # what the second worker read just before the first created it
@@ -191,7 +220,6 @@ def test_a_lifecycle_killed_inside_verify_holds_its_machine_s_slot_for_seconds_n
     import shutil
 
     from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from ckptflow.flows.limits import SLOT_LEASE_S, ensure_machine_limits, limit_name
 
@@ -202,7 +230,7 @@ def test_a_lifecycle_killed_inside_verify_holds_its_machine_s_slot_for_seconds_n
     env = dict(child_env(), PREFECT_API_URL=prefect_pg.url, CKPTFLOW_HOST="m-killed")
     monkeypatch.setenv("PREFECT_API_URL", prefect_pg.url)
     monkeypatch.setenv("CKPTFLOW_HOST", "m-killed")
-    with temporary_settings({PREFECT_API_URL: prefect_pg.url}):
+    with prefect_at(prefect_pg.url):
         ensure_machine_limits(1, 1)
 
     def lifecycle(step: int, fault: str = "") -> subprocess.CompletedProcess:
@@ -213,7 +241,7 @@ def test_a_lifecycle_killed_inside_verify_holds_its_machine_s_slot_for_seconds_n
 
     killed = lifecycle(6, "verify.before_record@6")  # killed after verifying, before its record
     assert killed.returncode == -9, killed.stderr[-2000:]
-    with temporary_settings({PREFECT_API_URL: prefect_pg.url}), get_client(sync_client=True) as c:
+    with prefect_at(prefect_pg.url), get_client(sync_client=True) as c:
         assert c.read_global_concurrency_limit_by_name(limit_name("sanity")).active_slots == 1  # still held
     t0 = time.monotonic()
     nxt = lifecycle(4)
@@ -224,5 +252,5 @@ def test_a_lifecycle_killed_inside_verify_holds_its_machine_s_slot_for_seconds_n
     # The whole next lifecycle (a fresh interpreter, imports, the stages) took less than the lease
     # would have held the slot alone; its wait for the slot was at most one poll.
     assert took < SLOT_LEASE_S / 2, took
-    with temporary_settings({PREFECT_API_URL: prefect_pg.url}), get_client(sync_client=True) as c:
+    with prefect_at(prefect_pg.url), get_client(sync_client=True) as c:
         assert c.read_global_concurrency_limit_by_name(limit_name("sanity")).active_slots == 0
