@@ -5,7 +5,6 @@ none is processed twice; a server outage is caught up by reconcile."""
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import subprocess
@@ -13,7 +12,7 @@ import time
 
 import pytest
 
-from ckptflow.harness import PostgresServer, PrefectServer, child_env
+from ckptflow.harness import PostgresServer, PrefectServer, child_env, children_of
 from ckptflow.trainer.format import layout
 from tests.helpers import PY, REPO, make_run, prefect_at, write_config
 
@@ -115,7 +114,6 @@ def test_three_runs_at_once_every_commit_verified_once_on_postgres(prefect_pg, s
 def test_reconcile_catches_up_commits_made_while_the_server_was_down(prefect_pg, s3_endpoint, s3_bucket, tmp_path):
     """Commits while the server is down leave their events in the outbox; after it is back, one
     reconcile run starts every missed lifecycle and each ends verified."""
-
     from ckptflow.flows.reconcile import reconcile
 
     hot = tmp_path / "hot"
@@ -168,22 +166,13 @@ def test_a_slot_held_past_its_renewal_is_renewed_on_the_callers_server(prefect_p
     monkeypatch.setenv("PREFECT_API_URL", prefect_pg.url)  # machine_slot's switch
     monkeypatch.setenv("CKPTFLOW_HOST", "m-renew")
     monkeypatch.setattr(limits, "RENEW_S", 1.0)
-    before = set(_children())
+    before = set(children_of(os.getpid()))
     with prefect_at(prefect_pg.url), caplog.at_level(logging.WARNING, logger=limits.__name__):
         limits.ensure_machine_limits(1, 1)
         with limits.machine_slot("verify"):
             time.sleep(2.5)  # two renewals
     assert not [r for r in caplog.records if "renew" in r.getMessage()], caplog.text
-    assert set(_children()) - before == set(), "no Prefect server of this process's own"
-
-
-def _children() -> list[int]:
-    """This process's child processes, whichever of its threads started them."""
-    out: list[int] = []
-    for path in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
-        with open(path) as f:
-            out += [int(x) for x in f.read().split()]
-    return out
+    assert set(children_of(os.getpid())) - before == set(), "no Prefect server of this process's own"
 
 
 def test_two_workers_of_one_machine_starting_at_once_both_get_its_limits(prefect_pg, monkeypatch):
