@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import xxhash
 
-    from ckptflow.trainer import memcopy
+    from ckptflow.fast import memcopy
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mb", type=int, default=512)

@@ -12,7 +12,7 @@ times:
   (``bench_load.parallel_read``): the target's reference, as for host loads;
 * **host to device alone**: the same bytes from pinned memory to the GPU in one copy (the link's floor);
 * **verified read, then to the device**: the two one after the other (nothing overlapped);
-* **ckptflow load into CUDA**: ``VerifiedReader`` (``trainer/devicecopy.py``: each matched block
+* **ckptflow load into CUDA**: ``FastReader`` (``ckptflow/fast/devicecopy.py``: each matched block
   staged in pinned memory, copied asynchronously on the copying thread's stream);
 * **the same, pageable**: each piece ``dst.copy_`` from the mapped file, as before the staging;
 * **ckptflow load into host memory**: the same load, CPU tensors;
@@ -74,17 +74,14 @@ def plain_checkpoint(path: str, state: dict[str, torch.Tensor]) -> Any:
 
 def load(path: str, manifest: Any, target: dict[str, torch.Tensor], threads: int | None = None) -> None:
     """ckptflow's verified load of ``path`` into ``target`` (one process); raises if it failed."""
+    from ckptflow.fast.reader import FastReader
     from ckptflow.trainer.dcp.planner import SafeLoadPlanner
-    from ckptflow.trainer.dcp.reader import VerifiedReader
+    from ckptflow.trainer.dcp.reader import THREADS
     from ckptflow.trainer.distenv import DistEnv
     from ckptflow.trainer.loader import load_local
 
     mine = [n for n in manifest.files if n.startswith("__0_")]
-    reader = (
-        VerifiedReader(path, manifest, prefetch=mine)
-        if threads is None
-        else VerifiedReader(path, manifest, prefetch=mine, threads=threads)
-    )
+    reader = FastReader(path, manifest, prefetch=mine, threads=threads or THREADS)
     try:
         failed = load_local(target, reader, SafeLoadPlanner(), DistEnv(0, 1, 0, 1, 0, None))  # type: ignore[arg-type]
     finally:
@@ -112,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(path: str, mb: int, reps: int, device: torch.device) -> dict:
     import torch.distributed.checkpoint as dcp
 
-    from ckptflow.trainer.dcp import _verifiedcopy as verifiedcopy
+    from ckptflow.fast import verifiedcopy
     from ckptflow.trainer.dcp.reader import THREADS
 
     state = tensors(mb)

@@ -16,7 +16,9 @@ Then, alternating so all see the same machine state, each ``--reps`` times:
   ratio is the ceiling of any load against the verified read alone: a load does at least the read
   and the copy (printed as such);
 * **ckptflow load, cold / warm**: ``load_verified`` — the one read that verifies every byte
-  and fills the model (``trainer/dcp/reader.py``);
+  and fills the model, with the acceleration layer (``ckptflow/fast/reader.py``, the default);
+* **core reader alone, cold / warm**: the same with ``CKPTFLOW_NO_ACCEL=1``: ``trainer/dcp/reader.py``
+  verifies every block of a file, then copies (the A/B that keeps the acceleration layer);
 * **DCP's own path, warm**: ``verify_checkpoint`` (read + hash) then ``dcp.load`` with its
   ``FileSystemReader`` (reads again, ``torch.load`` per item): what a resume cost before;
 * **resharding load, warm**: the world-size-2 checkpoint into this one process;
@@ -93,7 +95,7 @@ def parallel_read(paths: list[str], manifest, *, threads: int, into: memoryview 
 
     import xxhash
 
-    from ckptflow.trainer import memcopy
+    from ckptflow.fast import memcopy
 
     jobs: list[tuple[str, int, int, str | None, int]] = []  # path, start, length, digest, where in into
     n = 0
@@ -176,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(one: str, two: str, model: str, reps: int) -> dict:
     import torch.distributed.checkpoint as dcp
 
-    from ckptflow.trainer import memcopy
+    from ckptflow.fast import memcopy
     from ckptflow.trainer.dcp.reader import THREADS
     from ckptflow.trainer.distenv import init_distributed
     from ckptflow.trainer.format.manifest import read_manifest
@@ -211,6 +213,17 @@ def run(one: str, two: str, model: str, reps: int) -> dict:
     def ours(path: str, m) -> None:  # noqa: ANN001
         load_verified(path, m, env=env, state=TrainState(b.model, b.optimizer, b.scheduler))
 
+    def core(path: str, m) -> None:  # noqa: ANN001
+        was = os.environ.get("CKPTFLOW_NO_ACCEL")
+        os.environ["CKPTFLOW_NO_ACCEL"] = "1"  # read by open_reader at each load
+        try:
+            ours(path, m)
+        finally:
+            if was is None:
+                os.environ.pop("CKPTFLOW_NO_ACCEL")
+            else:
+                os.environ["CKPTFLOW_NO_ACCEL"] = was
+
     def dcp_path() -> None:
         verify_checkpoint(one).raise_if_bad()
         target = load_target(m1, env=env, state=TrainState(b.model, b.optimizer, b.scheduler))
@@ -228,11 +241,13 @@ def run(one: str, two: str, model: str, reps: int) -> dict:
     for _ in range(reps):
         timed("raw_cold", lambda: raw_read(files), cold=True)
         timed("ours_cold", lambda: ours(one, m1), cold=True)
+        timed("core_cold", lambda: core(one, m1), cold=True)
         timed("verified_raw_warm", lambda: raw_read(files, hashing=True))
         timed("verified_copy_warm", lambda: raw_read(files, hashing=True, into=dest))
         timed("parallel_raw_warm", lambda: parallel_read(files, m1, threads=THREADS))
         timed("parallel_copy_warm", lambda: parallel_read(files, m1, threads=THREADS, into=dest))
         timed("ours_warm", lambda: ours(one, m1))
+        timed("core_warm", lambda: core(one, m1))
         timed("dcp_warm", dcp_path)
         timed("reshard_warm", lambda: ours(two, m2))
         fresh()
@@ -284,6 +299,11 @@ def report(res: dict) -> None:
         "verified raw warm (target >= 0.8x)"
     )
     print(f"  DCP's path (verify + dcp.load) {r['dcp_warm']:7.0f}  ckptflow is {r['ours_warm'] / r['dcp_warm']:.1f}x")
+    for way in ("cold", "warm"):
+        print(
+            f"  core reader alone, {way}        {r['core_' + way]:7.0f}  the acceleration layer is "
+            f"{r['ours_' + way] / r['core_' + way]:.2f}x it; {r['core_' + way] / r['dcp_warm']:.1f}x DCP's path"
+        )
     print(f"  resharding load (2 -> 1), warm {r['reshard_warm']:7.0f}")
     print(
         f"  first load (fresh objects), warm {r['first_warm']:5.0f}  {r['first_warm'] / r['verified_raw_warm']:.2f}x "

@@ -1,4 +1,4 @@
-/* The load's data phase in C, without the GIL: trainer/memcopy.py says why.
+/* The load's data phase in C, without the GIL: ckptflow/fast/memcopy.py says why.
  *
  * copy(dst, src, n): n bytes from address src to address dst. The two ranges must not overlap.
  * On x86-64 the bulk is written with SSE2's MOVNTDQ, 64 bytes (one cache line) at a time from a

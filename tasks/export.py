@@ -286,10 +286,10 @@ def _load_shard(ckpt_dir: str, manifest: Any, shard: list[_Entry], arena: _Arena
     import torch.distributed.checkpoint as dcp
 
     from ckptflow.trainer.dcp.planner import SafeLoadPlanner
-    from ckptflow.trainer.dcp.reader import VerifiedReader
+    from ckptflow.trainer.dcp.reader import open_reader
 
     state = arena.tensors(shard)
-    reader = VerifiedReader(ckpt_dir, manifest)
+    reader = open_reader(ckpt_dir, manifest)
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")

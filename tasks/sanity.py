@@ -223,7 +223,7 @@ def _every_item(ckpt_dir: str, manifest: Manifest, env: DistEnv) -> dict[str, An
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from ckptflow.trainer.dcp.planner import SafeLoadPlanner
-    from ckptflow.trainer.dcp.reader import VerifiedReader
+    from ckptflow.trainer.dcp.reader import open_reader
     from ckptflow.trainer.format.checksum import hash_bytes
     from ckptflow.trainer.format.dcpmeta import read_dcp_metadata
 
@@ -238,7 +238,7 @@ def _every_item(ckpt_dir: str, manifest: Manifest, env: DistEnv) -> dict[str, An
     try:
         dcp.load(
             state,
-            storage_reader=VerifiedReader(ckpt_dir, manifest),
+            storage_reader=open_reader(ckpt_dir, manifest),
             planner=SafeLoadPlanner(),
             process_group=env.ckpt_group,
         )

@@ -88,19 +88,19 @@ def load_verified(
     path: str, manifest: Manifest, *, env: DistEnv, state: TrainState, reshard_state: Reshard | None = None
 ) -> dict[str, Any]:
     """``dcp.load`` the checkpoint in ``path`` (manifest authenticated, files not yet read); all ranks call it.
-    Every byte is read once, through :class:`~ckptflow.trainer.dcp.reader.VerifiedReader`, checked against
+    Every byte is read through :func:`~ckptflow.trainer.dcp.reader.open_reader`'s reader, checked against
     ``manifest`` before any of it is handed on; nothing is unpickled. A mismatch raises ``IntegrityError`` on
     every rank (:func:`load_local` agrees), so callers fall back together. Returns the loaded ``train`` dict."""
     model, optimizer, scheduler, scaler = state.model, state.optimizer, state.scheduler, state.scaler
     sampler, extra = state.sampler, state.extra
     from ckptflow.trainer.dcp.planner import SafeLoadPlanner
-    from ckptflow.trainer.dcp.reader import VerifiedReader
+    from ckptflow.trainer.dcp.reader import open_reader
 
     # At the saving world size a rank reads mostly its own files: hash them while DCP plans (a guess only)
     mine = (
         [n for n in manifest.files if n.startswith(f"__{env.rank}_")] if manifest.world_size == env.world_size else []
     )
-    reader = VerifiedReader(path, manifest, prefetch=mine)
+    reader = open_reader(path, manifest, prefetch=mine)
     # No cyclic GC during the load: its many short-lived objects trigger full-heap collections, while
     # reference counting frees them anyway; pausing skips the passes, not the freeing.
     gc_was = gc.isenabled()

@@ -370,7 +370,7 @@ def test_a_warm_file_s_pages_are_mapped_into_the_process_by_the_streamer(tmp_pat
     their cost here): the streaming thread maps its pages while the load is planned."""
     import mmap
 
-    from ckptflow.trainer.dcp._verifiedcopy import FAULT_AROUND, Streamer, _looks_resident
+    from ckptflow.fast.verifiedcopy import FAULT_AROUND, Streamer, _looks_resident
 
     path = tmp_path / "f"
     path.write_bytes(os.urandom(8 << 20))
@@ -391,7 +391,7 @@ def test_a_warm_file_s_pages_are_mapped_into_the_process_by_the_streamer(tmp_pat
 COLD = textwrap.dedent("""
     import json, os
     import torch
-    from ckptflow.trainer.dcp import reader
+    from ckptflow.fast import reader
     from ckptflow.trainer.config import CheckpointConfig, Provenance
     from ckptflow.trainer.checkpointer import CheckpointManager
     from ckptflow.trainer.distenv import init_distributed
@@ -426,16 +426,16 @@ COLD = textwrap.dedent("""
     ck.close()
 
     seen, behind = [], []
-    ask = reader.VerifiedReader._ask_for_records
+    ask = reader.FastReader._ask_for_records
     def spy(self, names):
         ask(self, names)
         seen.append(sorted(self._stream_first))
-    reader.VerifiedReader._ask_for_records = spy
-    locate_behind = reader.VerifiedReader._locate_behind
+    reader.FastReader._ask_for_records = spy
+    locate_behind = reader.FastReader._locate_behind
     def spy_behind(self, name, reqs, *args):
         behind.append(len(reqs))
         return locate_behind(self, name, reqs, *args)
-    reader.VerifiedReader._locate_behind = spy_behind
+    reader.FastReader._locate_behind = spy_behind
 
     def cold(step_dir):
         for n in os.listdir(step_dir):  # out of the page cache: a cold load

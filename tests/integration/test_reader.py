@@ -144,14 +144,14 @@ SCRIPT = textwrap.dedent("""
 
     # 5. warm files (all of these are in the page cache now): their items are located in batches
     #    while the threads verify, each batch's copies scheduled before the next is located
-    from ckptflow.trainer.dcp import reader
+    from ckptflow.fast import reader
     reader.LOCATE_BATCH = 2
     batches = []
-    locate = reader.VerifiedReader._locate
+    locate = reader.FastReader._locate
     def spy(self, per_file, *args):
         batches.append(sum(len(v) for v in per_file.values()))
         return locate(self, per_file, *args)
-    reader.VerifiedReader._locate = spy
+    reader.FastReader._locate = spy
     step, got, _ = load_into()
     assert step == 2
     same(got, snaps[2])
@@ -173,8 +173,8 @@ SCRIPT = textwrap.dedent("""
 
     # 7. the C extension verified every run of blocks above, one call each; without it (an install
     #    with no C compiler) the Python loop verifies block after block, with the same results
-    from ckptflow.trainer import memcopy
-    reader.VerifiedReader._locate = locate
+    from ckptflow.fast import memcopy
+    reader.FastReader._locate = locate
     runs = []
     native = reader.verify_run
     reader.verify_run = lambda run, sched: runs.append(len(run)) or native(run, sched)
@@ -293,7 +293,7 @@ def _file_with_blocks(tmp_path, nbytes: int, block: int):  # noqa: ANN001, ANN20
     """A real file, mapped, and its blocks with their digests (as ``blocks_of`` builds them)."""
     import mmap
 
-    from ckptflow.trainer.dcp._verifiedcopy import Block
+    from ckptflow.trainer.dcp.reader import Block
 
     data = os.urandom(nbytes)
     path = tmp_path / "f.bin"
@@ -318,7 +318,8 @@ def test_copies_added_before_or_after_their_blocks_matched_copy_only_matched_byt
     matched, and every copy ends whole — also a strided one spanning blocks."""
     import torch
 
-    from ckptflow.trainer.dcp._verifiedcopy import Copy, Schedule, run_pieces
+    from ckptflow.fast.verifiedcopy import Schedule, run_pieces
+    from ckptflow.trainer.dcp.reader import Copy
 
     data, _, mapped, blocks = _file_with_blocks(tmp_path, 4096 * 6, 4096)
     src = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
@@ -362,9 +363,8 @@ def test_a_stream_says_how_far_it_is_and_waits_past_an_offset(tmp_path, monkeypa
     Streamed by the C extension's ``stream_in`` and by ``sendfile`` from Python alike."""
     import threading
 
-    from ckptflow.trainer import memcopy
-    from ckptflow.trainer.dcp import _verifiedcopy as verifiedcopy
-    from ckptflow.trainer.dcp._verifiedcopy import Streamer
+    from ckptflow.fast import memcopy, verifiedcopy
+    from ckptflow.fast.verifiedcopy import Streamer
     from ckptflow.trainer.format.checksum import CHUNK
 
     if one_call and not memcopy.STREAM_IN:
@@ -388,7 +388,7 @@ def test_a_stream_says_how_far_it_is_and_waits_past_an_offset(tmp_path, monkeypa
     gone.stop()
 
 
-@pytest.mark.skipif(not __import__("ckptflow.trainer.memcopy").trainer.memcopy.VERIFY_COPY, reason="no C extension")
+@pytest.mark.skipif(not __import__("ckptflow.fast.memcopy").fast.memcopy.VERIFY_COPY, reason="no C extension")
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_run_verified_in_one_call_copies_pieces_added_meanwhile_and_stops_at_a_bad_block(
     tmp_path, monkeypatch, device
@@ -401,9 +401,9 @@ def test_a_run_verified_in_one_call_copies_pieces_added_meanwhile_and_stops_at_a
 
     import torch
 
-    from ckptflow.trainer import memcopy
-    from ckptflow.trainer.dcp import _verifiedcopy as verifiedcopy
-    from ckptflow.trainer.dcp._verifiedcopy import Copy, Schedule, verify_run
+    from ckptflow.fast import memcopy, verifiedcopy
+    from ckptflow.fast.verifiedcopy import Schedule, verify_run
+    from ckptflow.trainer.dcp.reader import Copy
 
     data, _, mapped, blocks = _file_with_blocks(tmp_path, 4096 * 6, 4096)
     src = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
@@ -434,20 +434,21 @@ def test_a_run_verified_in_one_call_copies_pieces_added_meanwhile_and_stops_at_a
     assert ("f.bin", 3) in sched.matched and ("f.bin", 4) not in sched.matched
 
 
-def test_without_the_c_extension_a_checkpoint_loads_and_replays_its_probe_bitwise(tiny_run, tmp_path):
-    """``CKPTFLOW_NO_ACCEL=1``: the load's pure-Python path (memmove, a block at a time) — what a
-    host without a C compiler runs — restores the checkpoint exactly (the sanity step replays
-    the probe loss recorded at save time bit for bit)."""
+def test_the_core_reader_alone_loads_a_checkpoint_and_replays_its_probe_bitwise(tiny_run, tmp_path):
+    """``CKPTFLOW_NO_ACCEL=1``: the core reader (``trainer/dcp/reader.py``; the acceleration layer is never
+    imported) restores the checkpoint exactly: the sanity step replays the probe loss recorded at save time bit for
+    bit."""
     import subprocess
 
     from tests.helpers import PY, REPO, step_dir, torchrun_env
 
     out = tmp_path / "result.json"
     code = (
-        "from ckptflow.trainer import memcopy\n"
-        "assert not (memcopy.STREAMING or memcopy.VERIFY_COPY or memcopy.STREAM_IN), 'the extension is on'\n"
+        "import sys\n"
         "from ckptflow.tasks.sanity import main\n"
-        f"raise SystemExit(main([{step_dir(tiny_run, 6)!r}, '--out', {str(out)!r}]))\n"
+        f"rc = main([{step_dir(tiny_run, 6)!r}, '--out', {str(out)!r}])\n"
+        "assert not any(m.startswith('ckptflow.fast') for m in sys.modules), 'the acceleration layer was loaded'\n"
+        "raise SystemExit(rc)\n"
     )
     env = dict(torchrun_env(), CKPTFLOW_NO_ACCEL="1")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -456,6 +457,54 @@ def test_without_the_c_extension_a_checkpoint_loads_and_replays_its_probe_bitwis
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["ok"] and res["probe_match"] == "bitwise", res
+
+
+@pytest.mark.parametrize("reader", ["core", "fast"])
+def test_either_reader_refuses_a_flipped_byte_and_writes_no_destination(tiny_run, tmp_path, reader):
+    """Both readers, in this process: the checkpoint loads bitwise as saved; with one byte flipped in a data
+    file the load fails on that file's block, and no destination received a byte of the load."""
+    import shutil
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from ckptflow.fast.reader import FastReader
+    from ckptflow.trainer.dcp.planner import SafeLoadPlanner
+    from ckptflow.trainer.dcp.reader import VerifiedReader
+    from ckptflow.trainer.format.dcpmeta import read_dcp_metadata
+    from ckptflow.trainer.format.manifest import read_manifest
+    from tests.helpers import step_dir
+
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(step_dir(tiny_run, 6), ckpt)
+    manifest = read_manifest(ckpt)
+    md = read_dcp_metadata(ckpt)
+    kind = {"core": VerifiedReader, "fast": FastReader}[reader]
+
+    def fresh() -> dict[str, torch.Tensor]:
+        return {
+            k: torch.full(m.size, 7, dtype=m.properties.dtype)
+            for k, m in md.state_dict_metadata.items()
+            if isinstance(m, dcp.metadata.TensorStorageMetadata)
+        }
+
+    def load(state: dict[str, torch.Tensor]) -> None:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=kind(ckpt, manifest), planner=SafeLoadPlanner(), no_dist=True)
+
+    load(got := fresh())
+    assert all(not bool((v == 7).all()) for v in got.values() if v.numel() > 8)
+    biggest = max((n for n in manifest.files if n.endswith(".distcp")), key=lambda n: manifest.files[n].size)
+    with open(os.path.join(ckpt, biggest), "r+b") as f:
+        f.seek(manifest.files[biggest].size // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with pytest.raises(dcp.api.CheckpointException, match=rf"{biggest}: checksum .* in the manifest"):
+        load(untouched := fresh())
+    assert all(bool((v == 7).all()) for v in untouched.values()), "a destination received bytes of a failed load"
 
 
 def test_a_checkpoint_in_state_layout_1_is_refused_with_how_to_read_it():

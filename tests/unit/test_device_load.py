@@ -1,4 +1,4 @@
-"""A verified load into tensors on a GPU (``trainer/devicecopy.py``), and the same load into host memory.
+"""A verified load into tensors on a GPU (``ckptflow/fast/devicecopy.py``), and the same load into host memory.
 
 The CUDA cases run where there is a GPU (CI has none: they were run on an H200, docs/benchmarks.md);
 the host cases run everywhere and check the same things. The checkpoint is plain ``dcp.save`` output
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from benchmarks.bench_device_load import load, plain_checkpoint, tensors
-from ckptflow.trainer import memcopy
+from ckptflow.fast import memcopy
 
 DEVICES = [
     "cpu",

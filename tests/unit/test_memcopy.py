@@ -1,4 +1,4 @@
-"""The streaming-store copy the load uses (``trainer/memcopy.py``, ``csrc/_memcopy.c``)."""
+"""The streaming-store copy the load uses (``ckptflow/fast/memcopy.py``, ``csrc/_memcopy.c``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import platform
 import pytest
 import torch
 
-from ckptflow.trainer import memcopy
+from ckptflow.fast import memcopy
 
 
 def test_the_extension_is_built_where_the_cpu_has_streaming_stores() -> None:
@@ -15,7 +15,7 @@ def test_the_extension_is_built_where_the_cpu_has_streaming_stores() -> None:
     load ~1.5x in its copies and no test would notice."""
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("streaming stores are x86-64 only; elsewhere copy is memmove")
-    assert memcopy.STREAMING, "ckptflow.trainer._memcopy was not built: is a C compiler installed? (pip install -e .)"
+    assert memcopy.STREAMING, "ckptflow.fast._memcopy was not built: is a C compiler installed? (pip install -e .)"
 
 
 @pytest.mark.parametrize("n", [0, 1, 63, 64, 65, memcopy.STREAM_FROM - 1, memcopy.STREAM_FROM, 1 << 20, (3 << 20) + 77])
@@ -35,7 +35,7 @@ def test_copy_writes_exactly_the_bytes_asked_for_at_any_alignment(n: int, dst_of
 def test_the_extension_refuses_what_would_crash_the_process() -> None:
     if not memcopy.STREAMING:
         pytest.skip("the extension is not built here")
-    from ckptflow.trainer import _memcopy
+    from ckptflow.fast import _memcopy
 
     with pytest.raises(ValueError, match="negative"):
         _memcopy.copy(1, 1, -1)
@@ -63,7 +63,7 @@ def test_the_extensions_digest_is_xxh3_64_as_python_xxhash_computes_it(n: int) -
     17-128, 129-240, longer, more than one stripe block)."""
     import xxhash
 
-    from ckptflow.trainer import _memcopy
+    from ckptflow.fast import _memcopy
 
     src, _ = _blocks(n + 1, n + 1, seed=n)
     assert _memcopy.xxh3(src.data_ptr(), n) == xxhash.xxh3_64_intdigest(memoryview(src.numpy())[:n])

@@ -1,102 +1,166 @@
-"""Loading a DCP checkpoint at disk speed, every byte verified in the same read, nothing unpickled.
+"""Loading a DCP checkpoint with every byte verified before it is handed on, nothing unpickled.
 
 :class:`VerifiedReader` replaces DCP's ``FileSystemReader`` (which unpickles); the files stay standard DCP.
-``.metadata`` is checked against its digest and parsed by ``format/dcpmeta.py``'s allow-list; data files are mapped
-and verified block by block on every core (``_verifiedcopy.py``, files without block digests whole first), and no
-destination receives a byte of a block that has not matched. Tensor items are located without unpickling
-(``_tensoritem.py``). A mismatch fails the load on every rank (``loader.load_local``). See docs/architecture.md,
-"Resume".
+``.metadata`` is checked against its digest and parsed by ``format/dcpmeta.py``'s allow-list. The data files a load
+reads are mapped and verified block by block (a file without block digests: whole) on a pool of threads (xxHash
+releases the GIL) before any item in them is located (``_tensoritem.py``, zip records only) or copied: a damaged file
+is reported as such, and no destination receives a byte that did not match. A mismatch fails the load on every rank
+(``loader.load_local``).
+
+:func:`open_reader` gives the optional acceleration layer's reader where it is on (``ckptflow/fast/``: each block
+copied right after it matched, files streamed in while DCP plans; ``CKPTFLOW_NO_ACCEL=1`` turns it off). See
+docs/architecture.md, "Resume".
 """
 
 from __future__ import annotations
 
-import functools
 import io
 import math
 import mmap
 import os
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
-from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from ckptflow.trainer import memcopy
-from ckptflow.trainer._torch_private import (
-    local_tensor,
-    narrow_tensor_by_index,
-)
+from ckptflow.trainer._torch_private import narrow_tensor_by_index
 from ckptflow.trainer.dcp._tensoritem import Locator, TensorItem
-from ckptflow.trainer.dcp._verifiedcopy import (
-    READAHEAD,
-    Block,
-    Copy,
-    Pool,
-    Schedule,
-    Streamer,
-    blocks_of,
-    readahead,
-    run_pieces,
-    runs,
-    verify,
-    verify_run,
-)
 from ckptflow.trainer.errors import IntegrityError
 from ckptflow.trainer.format import layout
+from ckptflow.trainer.format.checksum import CHUNK, block_digest, new_hasher
 from ckptflow.trainer.format.dcpmeta import MAX_METADATA_BYTES, loads_dcp_metadata
 from ckptflow.trainer.format.manifest import FileEntry, Manifest
 from ckptflow.trainer.verify import resolve_member
 
-__all__ = ["THREADS", "VerifiedReader"]
+__all__ = ["THREADS", "VerifiedReader", "open_reader"]
 
 
-RECORD_PAGE = 8192  # the zip records of a tensor item lie in its first and last few KiB
 THREADS = 4
-"""Threads of the pool that verifies and copies."""
-STREAM_FIRST_OF_MEMORY = 0.5
-"""Cold files up to this share of available memory have items located behind their stream (``_ask_for_records``)."""
-LOCATE_BATCH = 64
-"""Items located per batch behind a stream; each batch's copies are scheduled before the next is located."""
-WAKE_SECONDS = 0.05
-"""How often a thread waiting for a stream looks whether the load stopped meanwhile."""
+"""Threads that verify (and, in the acceleration layer, copy)."""
+READAHEAD = 256 << 20
+"""How far ahead of the digests a cold file is asked for (``MADV_WILLNEED``), so it streams from disk instead of
+arriving one page fault at a time."""
 
 Item = tuple[ReadItem, Any]
 """A planned read and its item's record in ``.metadata`` (``storage_data``: file, offset, length)."""
 
 
+def open_reader(
+    path: str, manifest: Manifest, *, prefetch: Iterable[str] = (), threads: int = THREADS
+) -> VerifiedReader:
+    """The reader for a load of ``path``: the acceleration layer's (``ckptflow.fast.reader``) unless
+    ``CKPTFLOW_NO_ACCEL=1``, else this module's. ``prefetch``: files this rank will most likely read, streamed in
+    early by the acceleration layer. Call ``close()`` and ``unmap()`` when done."""
+    if os.environ.get("CKPTFLOW_NO_ACCEL", "") in ("", "0"):
+        from ckptflow.fast.reader import FastReader
+
+        return FastReader(path, manifest, threads=threads, prefetch=prefetch)
+    return VerifiedReader(path, manifest, threads=threads)
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    name: str
+    index: int
+    start: int
+    end: int
+    digest: str
+    whole: bool = False
+    """The whole file under its ``checksum.ALGORITHM`` digest (no block digests recorded)."""
+
+
+def blocks_of(name: str, entry: FileEntry, size: int) -> list[Block]:
+    """What is verified of a file: its blocks where the manifest records their digests, else the whole file."""
+    if not size:
+        return []
+    if not entry.block_size:
+        return [Block(name, 0, 0, size, entry.checksum, whole=True)]
+    starts = range(0, size, entry.block_size)
+    return [
+        Block(name, k, a, min(a + entry.block_size, size), d)
+        for k, (a, d) in enumerate(zip(starts, entry.block_digests(), strict=True))
+    ]
+
+
+def verify(data: Any, b: Block, path: str) -> IntegrityError | None:
+    """None if the block's bytes in ``data`` (the mapped file) have their digest, else the error (returned, so the
+    pool's threads never raise)."""
+    view = memoryview(data)
+    try:
+        if b.whole:
+            h = new_hasher()
+            for i in range(b.start, b.end, CHUNK):
+                if i % READAHEAD == 0:
+                    readahead(data, i + READAHEAD, READAHEAD)
+                h.update(view[i : min(i + CHUNK, b.end)])
+            got = h.hexdigest()
+        else:
+            got = block_digest(view[b.start : b.end])
+    finally:
+        view.release()
+    if got == b.digest:
+        return None
+    where = "" if b.whole else f" in bytes {b.start}-{b.end} (block {b.index})"
+    return IntegrityError(
+        f"{path}: checksum {got} != {b.digest} in the manifest{where} (bytes corrupted); not loading it",
+        path=path,
+    )
+
+
+def readahead(data: Any, start: int, length: int) -> None:
+    """Ask the kernel to read ``[start, start + length)`` of a mapped file in the background."""
+    if hasattr(data, "madvise") and hasattr(mmap, "MADV_WILLNEED") and 0 <= start < len(data):
+        start -= start % mmap.PAGESIZE
+        data.madvise(mmap.MADV_WILLNEED, start, min(length, len(data) - start))
+
+
+@dataclass(slots=True)
+class Copy:
+    """One tensor item: bytes ``[lo, hi)`` of file ``name`` go to ``dst``. ``src``: the view to copy where they are
+    not one contiguous run in ``dst``'s layout (else built only if needed)."""
+
+    req: ReadItem
+    dst: torch.Tensor
+    name: str
+    lo: int
+    hi: int
+    dtype: torch.dtype
+    src: torch.Tensor | None
+
+    @property
+    def nbytes(self) -> int:
+        return self.hi - self.lo
+
+    def source(self, data: Any) -> torch.Tensor:
+        """The bytes as a tensor of the item's dtype and the destination's shape (no copy), made at its own offset:
+        an item may start at any byte of a DCP file, too odd for a typed view."""
+        if self.src is not None:
+            return self.src
+        flat = torch.frombuffer(data, dtype=torch.uint8, count=self.nbytes, offset=self.lo)
+        return flat.view(self.dtype).view(self.dst.shape)
+
+
 class VerifiedReader(FileSystemReader):
     """A ``StorageReader`` for one local checkpoint directory and its (authenticated) manifest."""
 
-    def __init__(self, path: str, manifest: Manifest, *, threads: int = THREADS, prefetch: Iterable[str] = ()) -> None:
-        """``prefetch``: files this rank will most likely read (its own, at the saving world size), mapped by
-        ``read_metadata`` and streamed in while DCP plans the load. Call :meth:`close` when done."""
+    def __init__(self, path: str, manifest: Manifest, *, threads: int = THREADS) -> None:
         super().__init__(path)
         self.ckpt_dir = os.fspath(path)
         self.manifest = manifest
         self.threads = max(1, threads)
         self._md: Metadata | None = None
-        self._prefetch = [n for n in prefetch if n in manifest.files]
-        self._pool: Pool | None = None
         self._maps: dict[str, Any] = {}
-        self._warm: set[str] = set()  # files found in the page cache when mapped
-        self._stream_of: dict[str, Streamer] = {}
-        self._stream_first: set[str] = set()  # cold files located behind their stream
         self.bytes_read = 0
 
     def close(self) -> None:
-        """Stop the reader's threads; none touches a destination after this returns."""
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
-        for st in self._stream_of.values():
-            st.stop()
-        self._stream_of.clear()
+        """Stop what the reader still runs; none of its threads touches a destination after this returns."""
 
     def unmap(self) -> None:
         """Unmap the files on a thread of their own (``munmap`` is slow and runs without the GIL, so another core does
@@ -109,84 +173,41 @@ class VerifiedReader(FileSystemReader):
     # -- StorageReader ------------------------------------------------------------------
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._md is None:
-            # The rank's own files first: they stream in on other threads while this one parses and plans.
-            for name in self._prefetch:
-                try:
-                    self._mapped(name)
-                except IntegrityError:
-                    pass  # read_data reports it, if the load reads that file at all
             data = bytes(self._read_whole(layout.DCP_METADATA, limit=MAX_METADATA_BYTES))
             self._md = loads_dcp_metadata(data, source=os.path.join(self.ckpt_dir, layout.DCP_METADATA))
-            self._ask_for_records(self._prefetch)
         return self._md
 
-    def _ask_for_records(self, names: Iterable[str]) -> None:
-        """For the cold files among ``names``, get the pages holding each item's zip records before it is located:
-        behind the stream (``_locate_behind``: one sequential read) if they fit in the page cache with room to spare
-        (``STREAM_FIRST_OF_MEMORY``), else every item's first and last page asked for at once."""
-        assert self._md is not None
-        wanted = {n for n in names if n in self._maps and n not in self._warm}
-        if not wanted:
-            return
-        if sum(len(self._maps[n]) for n in wanted) <= STREAM_FIRST_OF_MEMORY * _available_memory():
-            self._stream_first |= wanted
-            return
-        for info in self._md.storage_data.values():
-            if info.relative_path in wanted:
-                data = self._maps[info.relative_path]
-                readahead(data, info.offset, RECORD_PAGE)
-                readahead(data, info.offset + info.length - RECORD_PAGE, RECORD_PAGE)
-
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        # Each item's record looked up once: a MetadataIndex key hashes and compares in Python.
+        per_file = self._per_file(plan)
+        maps = {name: self._mapped(name) for name in per_file}
+        blocks = [b for name in per_file for b in blocks_of(name, self._entry(name), len(maps[name]))]
+        # Every block first, then the zip records: a damaged file is reported as such, not as the parse it broke.
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="ckptflow-verify") as pool:
+            for err in pool.map(lambda b: verify(maps[b.name], b, self._path(b.name)), blocks):
+                if err is not None:
+                    pool.shutdown(cancel_futures=True)
+                    raise err
+        # DCP's own resolve, as its FileSystemReader does it
+        copies, byte_items = self._locate(per_file, maps, Locator(), lambda req: planner.resolve_tensor(req).detach())
+        for c in copies:
+            if c.hi > c.lo:
+                c.dst.copy_(c.source(maps[c.name]))
+        self.bytes_read += sum(len(m) for m in maps.values())
+        return self._hand_on(planner, copies, byte_items)
+
+    def _per_file(self, plan: LoadPlan) -> dict[str, list[Item]]:
+        """The plan's reads by file, each with its item's record (looked up once: a ``MetadataIndex`` key hashes and
+        compares in Python)."""
         per_file: dict[str, list[Item]] = {}
         records = self.storage_data
         for req in plan.items:
             info = records[req.storage_index]
             per_file.setdefault(info.relative_path, []).append((req, info))
-        names = sorted(per_file, key=lambda n: -self._entry(n).size)
-        maps = {name: self._mapped(name) for name in names}
-        self._ask_for_records(set(names) - set(self._prefetch))
-        blocks = {name: blocks_of(name, self._entry(name), len(maps[name])) for name in names}
-        every = [b for name in names for b in blocks[name]]
-        # Streamed and warm files are located behind their stream, while the threads verify their first blocks;
-        # the rest (cold files too large to stream first) is located first, then verified.
-        along = self._stream_first | self._warm
-        behind = {n: st for n in names if n in along and (st := self._stream_of.get(n)) is not None}
-        locator, resolve = Locator(), _Targets(planner)
-        resolve.prepare(plan.items)  # before the threads start (a load at another world size)
-        sched: Schedule | None = None
-        try:
-            try:
-                copies, byte_items = self._locate(
-                    {n: r for n, r in per_file.items() if n not in behind}, maps, locator, resolve
-                )
-            except IntegrityError:
-                # A damaged file is reported as such, not as the parse it broke: verify, copy nothing.
-                for name in names:
-                    self._submit(maps[name], blocks[name], None)
-                self._threads().drain()
-                raise
-            sched = Schedule(every, maps, self.threads)
-            sched.add(copies)  # nothing has matched yet: every copy waits for its blocks
-            # The threads verify, copy each block's pieces once it matched and queue what that made runnable;
-            # this thread only waits (waking it per block would take the GIL from the threads).
-            for name in names:
-                self._submit(maps[name], blocks[name], sched, behind.get(name))
-            try:
-                for name, st in behind.items():
-                    got, got_bytes = self._locate_behind(name, per_file[name], maps, st, sched, locator, resolve)
-                    copies += got
-                    byte_items += got_bytes
-            except IntegrityError:
-                self._threads().drain()  # a block that does not match is what to report, if one does
-                raise
-            self._threads().drain()
-        finally:
-            self.close()  # no thread touches a destination after this returns or raises,
-            if sched is not None:
-                sched.device.settle()  # and no copy to a device is still in flight
-        self.bytes_read += sum(len(m) for m in maps.values())
+        return per_file
+
+    @staticmethod
+    def _hand_on(planner: LoadPlanner, copies: list[Copy], byte_items: list[tuple[ReadItem, bytes]]) -> Future[None]:
+        """Give the planner what was read (every byte of it verified)."""
         for req, data in byte_items:
             planner.load_bytes(req, io.BytesIO(data))
         for c in copies:
@@ -194,83 +215,6 @@ class VerifiedReader(FileSystemReader):
         fut: Future = Future()
         fut.set_result(None)
         return fut
-
-    # -- verifying ----------------------------------------------------------------------
-    def _threads(self) -> Pool:
-        if self._pool is None:
-            self._pool = Pool(self.threads)
-        return self._pool
-
-    def _submit(self, data: Any, blocks: list[Block], sched: Schedule | None, stream: Streamer | None = None) -> None:
-        for run in runs(blocks):
-            self._threads().submit(1, functools.partial(self._verify_run, data, run, sched, stream))
-
-    def _verify_run(self, data: Any, run: list[Block], sched: Schedule | None, stream: Streamer | None) -> None:
-        """Verify consecutive blocks, copying each one's pieces right after it matched and queueing what that made
-        runnable. A mismatch raises: the pool stops and ``drain`` re-raises it on the caller's thread. ``stream``:
-        the file is streaming in, and the run waits until it is in (not faulted in beside the stream)."""
-        pool = self._threads()
-        if stream is None:
-            readahead(data, run[0].start + READAHEAD, run[-1].end - run[0].start)
-        else:
-            while not stream.wait_past(run[-1].end, timeout=WAKE_SECONDS):
-                if pool.stopped:
-                    return
-        path = os.path.join(self.ckpt_dir, run[0].name)
-        if sched is not None and memcopy.VERIFY_COPY and not run[0].whole:
-            if pool.stopped:
-                return
-            n, tasks = verify_run(run, sched)
-            for task in tasks:
-                pool.submit(0, task)
-            if n < len(run):
-                raise verify(data, run[n], path) or IntegrityError(
-                    f"{path}: block {run[n].index} did not match its digest, then did; not loading it", path=path
-                )
-            return
-        for b in run:
-            if pool.stopped:
-                return  # another block failed: the load stops, nothing more is copied
-            err = verify(data, b, path)
-            if err is not None:
-                raise err
-            if sched is not None:
-                pieces, tasks = sched.match(b)
-                run_pieces(pieces, sched.device)
-                for task in tasks:
-                    pool.submit(0, task)
-
-    def _locate_behind(
-        self,
-        name: str,
-        items: list[Item],
-        maps: dict[str, Any],
-        stream: Streamer,
-        sched: Schedule,
-        locator: Locator,
-        resolve: Callable[[ReadItem], torch.Tensor],
-    ) -> tuple[list[Copy], list[tuple[ReadItem, bytes]]]:
-        """:meth:`_locate` the items of a file streaming in as the stream passes their ends (their zip records are in
-        their first and last bytes), and schedule their copies at once: those whose blocks matched run now."""
-        todo = sorted(items, key=lambda it: it[1].offset + it[1].length)
-        ends = [info.offset + info.length for _, info in todo]
-        copies: list[Copy] = []
-        byte_items: list[tuple[ReadItem, bytes]] = []
-        pool = self._threads()
-        i = 0
-        while i < len(todo) and not pool.stopped:
-            if not stream.wait_past(ends[i], timeout=WAKE_SECONDS):
-                continue
-            j, reached = i + 1, stream.reached
-            while j < len(todo) and ends[j] <= reached and j - i < LOCATE_BATCH:
-                j += 1
-            got, got_bytes = self._locate({name: todo[i:j]}, maps, locator, resolve)
-            for task in sched.add(got):
-                pool.submit(0, task)
-            copies += got
-            byte_items += got_bytes
-            i = j
-        return copies, byte_items
 
     # -- locating -----------------------------------------------------------------------
     def _locate(
@@ -349,12 +293,6 @@ class VerifiedReader(FileSystemReader):
     def _mapped(self, name: str) -> Any:
         if name not in self._maps:
             self._maps[name] = self._map(name)
-            if len(self._maps[name]):  # a cold file streams from disk in order (a warm one: skipped)
-                data = self._maps[name]
-                st = Streamer(self._path(name), len(data), data)
-                self._stream_of[name] = st
-                if st.warm:
-                    self._warm.add(name)
         return self._maps[name]
 
     def _path(self, name: str) -> str:
@@ -403,74 +341,6 @@ def _run_start(ti: TensorItem, offsets: Any, lengths: Any) -> int | None:
     if any(offsets[d] or lengths[d] != size[d] for d in range(k + 1, len(size))):
         return None
     return sum(o * st for o, st in zip(offsets, ti.stride, strict=True))
-
-
-class _Targets:
-    """``planner.resolve_tensor``, detached: where each read's bytes go; a dictionary look-up (no ``to_local()``,
-    no autograd node) where the planner resolves as DCP's default does. :meth:`prepare` makes the narrows before the
-    load's threads start, since a torch call made while they run must win the GIL back from them."""
-
-    def __init__(self, planner: LoadPlanner) -> None:
-        self._planner = planner
-        self._early: dict[int, torch.Tensor] = {}
-        direct = isinstance(planner, DefaultLoadPlanner) and all(
-            getattr(type(planner), n) is getattr(DefaultLoadPlanner, n)
-            for n in ("resolve_tensor", "lookup_tensor", "transform_tensor")
-        )
-        # Empty unless the planner resolves as DCP's default: each read then goes through its own resolve_tensor.
-        self._state: Mapping[str, Any] = (
-            planner.state_dict if direct and isinstance(planner, DefaultLoadPlanner) else {}
-        )
-
-    def prepare(self, reqs: Iterable[ReadItem]) -> None:
-        """Resolve now (before the load's threads start) each tensor read in ``reqs`` that is not a whole plain
-        tensor; the others are looked up as they are located."""
-        for req in reqs:
-            if req.type != LoadItemType.BYTE_IO and self._whole(req) is None:
-                self._early[id(req)] = self._resolve(req)
-
-    def __call__(self, req: ReadItem) -> torch.Tensor:
-        obj = self._whole(req)
-        if obj is not None:
-            return obj.detach() if obj.requires_grad else obj
-        early = self._early.pop(id(req), None)
-        return early if early is not None else self._resolve(req)
-
-    def _whole(self, req: ReadItem) -> torch.Tensor | None:
-        """The destination if it is a whole plain tensor (or DTensor shard) and the planner DCP's default, by a
-        look-up (no torch call that waits for the GIL); None otherwise."""
-        obj = self._local(req)
-        if obj is None or any(req.dest_offsets) or tuple(req.lengths) != tuple(obj.shape):
-            return None
-        return obj
-
-    def _local(self, req: ReadItem) -> torch.Tensor | None:
-        idx = req.dest_index
-        obj = self._state.get(idx.fqn)
-        if type(obj) is DTensor and not any(p.is_partial() for p in obj.placements):  # (DCP refuses those)
-            obj = local_tensor(obj)
-        if type(obj) is not torch.Tensor or (idx.offset is not None and any(idx.offset)):
-            return None
-        return obj
-
-    def _resolve(self, req: ReadItem) -> torch.Tensor:
-        obj = self._local(req)
-        if obj is None:
-            return self._planner.resolve_tensor(req).detach()  # and its errors
-        # DCP's narrow, of the detached tensor
-        return narrow_tensor_by_index(obj.detach() if obj.requires_grad else obj, req.dest_offsets, req.lengths)
-
-
-def _available_memory() -> int:
-    """``MemAvailable`` (bytes): what the page cache can hold without evicting much; 0 if unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
 
 
 def _close_maps(maps: list[mmap.mmap]) -> None:

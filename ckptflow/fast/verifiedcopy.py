@@ -1,36 +1,29 @@
 """Copying a mapped checkpoint file into live tensors, each byte only once its digest matched.
 
-The reader (``reader.py``) hands over the file's *blocks* (byte ranges with their manifest digests) and the *copies*
-(which bytes go to which tensor). A pool of threads verifies block after block and copies each matched block's bytes
-while they are still in cache. A destination never receives a byte whose block has not matched; a block that does
-not match stops the load. A file whose manifest entry has no block digests is one block (its ``checksum`` digest).
+The acceleration layer's reader (``reader.py``) hands over the file's *blocks* (byte ranges with their manifest
+digests) and the *copies* (which bytes go to which tensor). A pool of threads verifies block after block and copies
+each matched block's bytes while they are still in cache. A destination never receives a byte whose block has not
+matched; a block that does not match stops the load. A file whose manifest entry has no block digests is one block
+(its ``checksum`` digest).
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
-import mmap
 import os
 import queue
 import threading
 from array import array
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.planner import ReadItem
 
-from ckptflow.trainer import memcopy
-from ckptflow.trainer.devicecopy import DeviceCopies, Span, staged
-from ckptflow.trainer.errors import IntegrityError
-from ckptflow.trainer.format.checksum import CHUNK, block_digest, new_hasher
-from ckptflow.trainer.format.manifest import FileEntry
+from ckptflow.fast import memcopy
+from ckptflow.fast.devicecopy import DeviceCopies, Span, staged
+from ckptflow.trainer.dcp.reader import Block, Copy
 
-READAHEAD = 256 << 20
-"""How far ahead of the digests a cold file is asked for (``MADV_WILLNEED``), so it streams from disk instead of
-arriving one page fault at a time."""
 TASK_BYTES = 8 << 20
 """Blocks are verified in runs of about this many bytes per task (a task costs ~20 us)."""
 FAULT_AROUND = 64 << 10
@@ -41,30 +34,6 @@ STREAM_CHUNK = 32 << 20
 step ends in a wait for the GIL (up to 5 ms while the load is planned)."""
 MAP_PIECE = 256 << 20
 """Bytes whose pages one torch op maps (below torch's grain for parallel ops; short, so a stop waits little)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Block:
-    name: str
-    index: int
-    start: int
-    end: int
-    digest: str
-    whole: bool = False
-    """The whole file under its ``checksum.ALGORITHM`` digest (no block digests recorded)."""
-
-
-def blocks_of(name: str, entry: FileEntry, size: int) -> list[Block]:
-    """What is verified of a file: its blocks where the manifest records their digests, else the whole file."""
-    if not size:
-        return []
-    if not entry.block_size:
-        return [Block(name, 0, 0, size, entry.checksum, whole=True)]
-    starts = range(0, size, entry.block_size)
-    return [
-        Block(name, k, a, min(a + entry.block_size, size), d)
-        for k, (a, d) in enumerate(zip(starts, entry.block_digests(), strict=True))
-    ]
 
 
 def runs(blocks: list[Block]) -> list[list[Block]]:
@@ -78,64 +47,6 @@ def runs(blocks: list[Block]) -> list[list[Block]]:
         out[-1].append(b)
         n += b.end - b.start
     return out
-
-
-def verify(data: Any, b: Block, path: str) -> IntegrityError | None:
-    """None if the block's bytes in ``data`` (the mapped file) have their digest, else the error (returned, so the
-    pool's threads never raise)."""
-    view = memoryview(data)
-    try:
-        if b.whole:
-            h = new_hasher()
-            for i in range(b.start, b.end, CHUNK):
-                if i % READAHEAD == 0:
-                    readahead(data, i + READAHEAD, READAHEAD)
-                h.update(view[i : min(i + CHUNK, b.end)])
-            got = h.hexdigest()
-        else:
-            got = block_digest(view[b.start : b.end])
-    finally:
-        view.release()
-    if got == b.digest:
-        return None
-    where = "" if b.whole else f" in bytes {b.start}-{b.end} (block {b.index})"
-    return IntegrityError(
-        f"{path}: checksum {got} != {b.digest} in the manifest{where} (bytes corrupted); not loading it",
-        path=path,
-    )
-
-
-def readahead(data: Any, start: int, length: int) -> None:
-    """Ask the kernel to read ``[start, start + length)`` of a mapped file in the background."""
-    if hasattr(data, "madvise") and hasattr(mmap, "MADV_WILLNEED") and 0 <= start < len(data):
-        start -= start % mmap.PAGESIZE
-        data.madvise(mmap.MADV_WILLNEED, start, min(length, len(data) - start))
-
-
-@dataclass(slots=True)
-class Copy:
-    """One tensor item: bytes ``[lo, hi)`` of file ``name`` go to ``dst``. ``src``: the view to copy where they are
-    not one contiguous run in ``dst``'s layout (else built only if needed)."""
-
-    req: ReadItem
-    dst: torch.Tensor
-    name: str
-    lo: int
-    hi: int
-    dtype: torch.dtype
-    src: torch.Tensor | None
-
-    @property
-    def nbytes(self) -> int:
-        return self.hi - self.lo
-
-    def source(self, data: Any) -> torch.Tensor:
-        """The bytes as a tensor of the item's dtype and the destination's shape (no copy), made at its own offset:
-        an item may start at any byte of a DCP file, too odd for a typed view."""
-        if self.src is not None:
-            return self.src
-        flat = torch.frombuffer(data, dtype=torch.uint8, count=self.nbytes, offset=self.lo)
-        return flat.view(self.dtype).view(self.dst.shape)
 
 
 Piece = tuple[Any, Any, int]

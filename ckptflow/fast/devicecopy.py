@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ckptflow.trainer import memcopy
+from ckptflow.fast import memcopy
 
 Dest = tuple[torch.Tensor, int]
 """``(flat, at)``: byte ``at`` of ``flat``, a destination tensor on a CUDA device viewed as flat uint8."""

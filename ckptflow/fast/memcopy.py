@@ -4,24 +4,22 @@
 use); streaming (non-temporal) stores write whole lines straight to memory (glibc uses them only above a cache-sized
 threshold). The copy and :func:`verify_copy` (the load's inner loop: blocks hashed, compared, their pieces copied
 right after each matched) are the optional C extension ``_memcopy`` (``csrc/_memcopy.c``, vendored xxHash), run
-without the GIL; without it, or with ``CKPTFLOW_NO_ACCEL=1``, :func:`copy` is ``memmove`` and the loop runs in Python.
+without the GIL; without it (no C compiler at install), :func:`copy` is ``memmove`` and the loop runs in Python.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 from array import array
 from typing import Any
 
 _memcopy: Any = None
-if os.environ.get("CKPTFLOW_NO_ACCEL", "") in ("", "0"):
-    try:
-        from importlib import import_module
+try:
+    from importlib import import_module
 
-        _memcopy = import_module("ckptflow.trainer._memcopy")
-    except ImportError:  # not built: the install found no C compiler
-        pass
+    _memcopy = import_module("ckptflow.fast._memcopy")
+except ImportError:  # not built: the install found no C compiler
+    pass
 
 STREAMING = bool(_memcopy is not None and _memcopy.STREAMING)
 """Whether :func:`copy` uses streaming stores here (the extension is built, the CPU is x86-64)."""
