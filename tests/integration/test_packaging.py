@@ -132,7 +132,7 @@ def test_pip_installs_only_the_ckptflow_namespace(tmp_path):
                     assert os.path.exists(os.path.join(dest, n)), (pkg, rel, n)
     # the C extension was built from the tree as pip sees it (its vendored xxHash headers included)
     if platform.machine() in ("x86_64", "AMD64"):
-        built = os.listdir(os.path.join(target, "ckptflow", "trainer"))
+        built = os.listdir(os.path.join(target, "ckptflow", "fast"))
         assert any(n.startswith("_memcopy.") and n.endswith(".so") for n in built), sorted(built)
     # and the installed copy imports from there, beside nothing else of ours
     r = _py(
