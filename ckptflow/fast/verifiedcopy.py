@@ -295,7 +295,7 @@ class Streamer:
     """Brings a cold file into the page cache front to back (``sendfile`` to ``/dev/null``: nothing copied out), so
     readahead streams it at disk speed ahead of the pool's threads, and maps its pages into the process (a warm
     file's all at once: ``_map_pages``), so the digests take no page fault every ``FAULT_AROUND``. :meth:`wait_past`
-    waits for it to pass an offset (``VerifiedReader._locate_behind``); ``streamed`` is set when it is through."""
+    waits for it to pass an offset (``FastReader._locate_behind``); ``streamed`` is set when it is through."""
 
     def __init__(self, path: str, size: int, data: Any = None) -> None:
         """``data``: the file mapped, whose pages this thread then maps into the process too."""
