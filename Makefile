@@ -23,11 +23,18 @@ demo: setup
 # tests/e2e (the README's paths, started as a user starts them). Most tests wait on child
 # processes and servers more than they compute: on 2 cores four workers (one test file each at a
 # time, so a module's fixtures start once) keep both cores busy where two left a third idle.
+# Files go out in collection order, tests/e2e first: the longest single tests start at once and
+# the short unit files fill the end (xdist's default sends the files with most tests first,
+# which left the two longest, about 200 s each, running alone at the end).
 # The few that assert timings run alone afterwards (marker `serial`).
+# The suite starts about 600 Python processes; where the environment forbids writing bytecode
+# (PYTHONDONTWRITEBYTECODE), each would compile ckptflow's modules again: compile them once.
 TEST_WORKERS ?= 4
 
 test: setup
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" --durations=30
+	$(BIN)/python -m compileall -q ckptflow flows tasks trainer tests benchmarks
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial" --durations=30
+	sync  # what the parallel part wrote is on disk before the timed tests start (its writeback would compete with them)
 	$(BIN)/python -m pytest -q -m serial --durations=5
 
 test-fast: setup

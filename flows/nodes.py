@@ -123,6 +123,7 @@ def scan_node(cfg: Any, node: str) -> dict[str, Any]:
     from ckptflow.tasks.stages import finished
     from ckptflow.tasks.transfer._parts import stage_part
     from ckptflow.trainer.format import layout
+    from ckptflow.trainer.format.manifest import PLACEMENT
 
     hot, warm = Tier(cfg.hot), Tier(cfg.warm)
     out: dict[str, Any] = {}
@@ -131,7 +132,7 @@ def scan_node(cfg: Any, node: str) -> dict[str, Any]:
             if warm.is_committed(run_id, s) or finished(layout.run_dir(warm.url, run_id), s):
                 continue
             try:
-                pl = hot.read_manifest(run_id, s).extra.get("placement") or {}
+                pl = hot.read_manifest(run_id, s).extra.get(PLACEMENT) or {}
             except Exception as e:  # a damaged copy here: the other nodes' parts or replicas decide
                 get_run_logger().warning("node %s: %s step %d unreadable here (%s)", node, run_id, s, e)
                 continue

@@ -2,7 +2,7 @@
 
 * ``s3_endpoint``: moto's S3-compatible server in its own process on 127.0.0.1,
   spoken to over HTTP exactly like a real object store.
-* ``prefect_api``: one real Prefect server (SQLite) per session; it takes 20-30 s to
+* ``prefect_api``: one real Prefect server (SQLite) per session; it takes 6-20 s to
   start, so never per test.
 * ``torchrun``: launches real ``torchrun`` jobs (gloo, CPU) and returns the result.
 * ``tiny_run``: a committed run of the tiny reference model (read-only).

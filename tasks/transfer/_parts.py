@@ -36,9 +36,8 @@ from ckptflow.tasks.transfer.results import FaultHook, TransferResult, no_fault
 from ckptflow.trainer.errors import CheckpointNotFoundError, CkptflowError, IntegrityError, ManifestError
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.format.checksum import hash_bytes
-from ckptflow.trainer.format.manifest import Manifest
+from ckptflow.trainer.format.manifest import PLACEMENT, Manifest
 from ckptflow.trainer.fsutil import fsync_dir, replace_atomic, write_durable
-from ckptflow.trainer.nodes.twolevel import PLACEMENT
 
 log = logging.getLogger(__name__)
 

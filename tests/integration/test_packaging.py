@@ -59,6 +59,18 @@ def test_importing_ckptflow_is_cheap(user_project):
     assert r.stdout.strip() == "[]"
 
 
+def test_a_node_s_part_of_the_lifecycle_never_imports_torch(user_project):
+    """A node's worker runs a flow run per part (stage, prune, scan): none of them reads tensors,
+    and importing torch cost each 1.7 CPU-s and as much latency (the suite runs about twenty)."""
+    r = _py(
+        "import sys, ckptflow.flows.nodes, ckptflow.tasks.transfer._parts, ckptflow.tasks.prune, "
+        "ckptflow.tasks.stages, ckptflow.trainer.nodes.topology; print('torch' in sys.modules)",
+        str(user_project),
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False"
+
+
 def test_a_layer_folder_cannot_be_imported_under_its_bare_name():
     """From the repository root `trainer/` is on the path as a folder; importing it bare fails
     loudly instead of loading a second copy of every module."""

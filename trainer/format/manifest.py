@@ -33,6 +33,7 @@ __all__ = [
     "KEY_ENV",
     "MAX_MANIFEST_BYTES",
     "Manifest",
+    "PLACEMENT",
     "read_manifest",
     "signing_key",
 ]
@@ -46,6 +47,8 @@ ADOPTED = "adopted"
 """An adopted checkpoint's manifest key (``tasks/adopt.py``): ``{"source", "format", "adopted_at"}``. One adopted
 from a non-DCP format (a ``torch.save`` file, a Hugging Face ``checkpoint-N/``) has no DCP ``.metadata``."""
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest larger than this is not ours: refuse early
+PLACEMENT = "placement"
+"""The key (in ``Manifest.extra``) of a many-node save's record of where each file was placed."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from ckptflow.trainer.distenv import gather
 from ckptflow.trainer.errors import ConfigError
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.fsutil import replace_atomic
@@ -109,6 +108,10 @@ def node_id(root: str) -> str:
 
 def discover(root: str, run_path: str, *, rank: int, world: int, group: Any, requested: str = "auto") -> Topology:
     """Find which ranks share ``root`` (all ranks call this together; see the module docstring)."""
+    # here, not at the top: distenv imports torch, and the lifecycle's node parts read node ids
+    # (``node_id``) in processes that never need it (1.7 s of import in each)
+    from ckptflow.trainer.distenv import gather
+
     if requested not in SCOPES:  # callers other than CheckpointConfig reach here too
         raise ConfigError(f"CheckpointConfig.hot_scope={requested!r}; choose one of {', '.join(SCOPES)}")
     if world == 1:

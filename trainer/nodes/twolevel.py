@@ -48,7 +48,7 @@ from ckptflow.trainer.errors import CheckpointNotFoundError, CkptflowError, Inte
 from ckptflow.trainer.format import commit, layout
 from ckptflow.trainer.format.atomicity import RENAME
 from ckptflow.trainer.format.checksum import hash_bytes
-from ckptflow.trainer.format.manifest import MAX_MANIFEST_BYTES, Manifest
+from ckptflow.trainer.format.manifest import MAX_MANIFEST_BYTES, PLACEMENT, Manifest
 from ckptflow.trainer.fsutil import fsync_dir, remove_tree, write_durable
 from ckptflow.trainer.nodes import transport
 from ckptflow.trainer.nodes.topology import Topology
@@ -68,9 +68,6 @@ __all__ = [
 
 
 log = logging.getLogger(__name__)
-
-PLACEMENT = "placement"
-"""The manifest key (in ``Manifest.extra``) that records where each file was placed."""
 
 
 # ---- placement (rank 0, at save) -------------------------------------------------------
