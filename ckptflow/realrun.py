@@ -83,6 +83,15 @@ def _workers(agent: int) -> list[int]:
     return [p for p in children_of(agent) if "ckptflow.trainer.train" in cmdline(p)]
 
 
+def _mid_interval(run_path: str, interval: int, since_wall: float) -> bool:
+    """Whether the job's newest step came after ``since_wall`` (so from the attempt now running)
+    and sits 35-65 % of the way through a save interval."""
+    rows = read_metrics(run_path)
+    if not rows or not isinstance(rows[-1].get("wall"), (int, float)) or rows[-1]["wall"] <= since_wall:
+        return False
+    return 0.35 <= (rows[-1]["step"] % interval) / interval <= 0.65
+
+
 def _final_commit(run_path: str, step: int) -> float | None:
     for rec in read_outbox(run_path):
         if rec.get("step") == step and isinstance(rec.get("committed_at"), (int, float)):
@@ -102,8 +111,17 @@ def run_with_failures(
     step_sleep: float = 0.05,
     run_id: str = "goodput",
     timeout_s: float = 1800.0,
+    mid_interval: bool = False,
 ) -> FailedRun:
-    """Run the job to ``max_steps``, killing a worker at seeded exponential times."""
+    """Run the job to ``max_steps``, killing a worker at seeded exponential times.
+
+    ``mid_interval``: hold each due kill until the job is in the middle of a save interval (its
+    newest step, of the current attempt, 35-65 % of the way to the next save). A kill within a
+    step or two of a commit is a coin flip for the run and the replay alike: which side of the
+    commit it lands on decides whether a whole interval is lost, and the replay's clock drifts
+    from the run's by a restart's jitter (about 0.5 s here). In a short check with three kills
+    one such flip is 4 points, so the check holds kills where both agree on what is durable;
+    the replay is still given the real kill times. A long benchmark leaves this off."""
     root = os.path.join(workdir, "hot")
     run_path = layout.run_dir(root, run_id)
     cmd = reference_job(
@@ -132,6 +150,9 @@ def run_with_failures(
                     break
                 if time.time() < due:
                     time.sleep(min(0.02, max(0.0, due - time.time())))
+                    continue
+                if mid_interval and not _mid_interval(run_path, interval, t0 + (kills[-1] if kills else 0.0)):
+                    time.sleep(0.01)
                     continue
                 ws = _workers(proc.pid)
                 if not ws:  # between attempts: the failure lands on the next worker that starts
