@@ -21,11 +21,11 @@ demo: setup
 
 # tests/unit, tests/integration (one real part: torchrun jobs, a Prefect server, S3 over HTTP) and
 # tests/e2e (the README's paths, started as a user starts them). Most tests wait on child
-# processes and servers more than they compute: on 2 cores four workers (one test file each at a
-# time, so a module's fixtures start once) keep both cores busy where two left a third idle.
-# Files go out in collection order, tests/e2e first: the longest single tests start at once and
-# the short unit files fill the end (xdist's default sends the files with most tests first,
-# which left the two longest, about 200 s each, running alone at the end).
+# processes and servers more than they compute: on 2 cores four workers keep both cores busy
+# where two left a third idle. Each worker takes one test file at a time (a module's fixtures
+# start once), except the files that use the session Prefect server, which run as two groups on
+# two workers (two servers, not four). tests/conftest.py sends the groups and the longest files
+# out first, so that none starts last and runs alone at the end.
 # The few that assert timings run alone afterwards (marker `serial`).
 # The suite starts about 600 Python processes; where the environment forbids writing bytecode
 # (PYTHONDONTWRITEBYTECODE), each would compile ckptflow's modules again: compile them once.

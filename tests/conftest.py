@@ -119,3 +119,64 @@ def _golden_curve(root: str) -> list:
 def golden(tmp_path_factory) -> dict[int, tuple[float, float]]:
     """step -> (loss, lr) of the tiny model on 2 ranks (FSDP2, dropout on), steps 1-12."""
     return {int(s): (loss, lr) for s, loss, lr in once(tmp_path_factory, "golden", _golden_curve)}
+
+
+# ---- how the files are shared out among xdist's workers (`make test`) ---------------------------
+
+# The files that use the session's Prefect server, in two groups of about equal length (each about
+# 680 s of the parallel part's wall time on this VM). Each group is one unit of work, run on one
+# worker, so a run starts two session servers, not one per worker: a Prefect server costs about
+# 28 CPU-s over a run here, most of it polling while idle, and the suite is CPU-bound on 2 cores.
+PREFECT_GROUPS = {
+    "prefect-a": ("node_lifecycle", "forkserver", "security", "drill", "export", "events", "stages"),
+    "prefect-b": ("chaos_faults", "adopt", "lifecycle", "adopt_hf", "cli_prefect"),
+}
+# Then the longest files, longest first, so that none starts last and runs alone at the end: the
+# README's paths (tests/e2e), then the files that start most torchrun jobs. The rest follow in
+# collection order.
+LONGEST = ("chaos_campaign", "node_demo", "demo", "fleet", "goodput_real_run")
+LONGEST += ("nodes", "netns", "any_loop", "probe", "commit_crash", "exact_resume")
+_GROUP_OF = {m: g for g, mods in PREFECT_GROUPS.items() for m in mods}
+
+
+def _module(path: str) -> str:
+    return os.path.basename(path).removesuffix(".py").removeprefix("test_")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every user of the session Prefect server is in a group; the groups come first, then the
+    longest files, then the rest. xdist hands out units in this order (``--no-loadscope-reorder``);
+    a unit's tests keep their order."""
+    for item in items:
+        mod = _module(str(item.path))
+        if "prefect_api" in item.fixturenames and mod not in _GROUP_OF:
+            raise pytest.UsageError(
+                f"{item.nodeid} uses the session Prefect server: add {mod!r} to a group in "
+                "tests/conftest.py's PREFECT_GROUPS, so that a run starts two servers, not one per worker"
+            )
+
+    def place(item: pytest.Item) -> tuple[int, int]:
+        mod = _module(str(item.path))
+        if mod in _GROUP_OF:
+            return 0, list(PREFECT_GROUPS).index(_GROUP_OF[mod])
+        if mod in LONGEST and "unit" not in item.path.parts:
+            return 1, LONGEST.index(mod)
+        return 2, 0
+
+    order = {id(item): (place(item), i) for i, item in enumerate(items)}
+    items.sort(key=lambda it: order[id(it)])
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile``, with each Prefect group as one unit. (xdist's own ``loadgroup`` marks
+    the units by rewriting node ids, which pytest 9.2 no longer lets it do.)"""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileOrPrefectGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return _GROUP_OF.get(_module(path), path)
+
+    return FileOrPrefectGroup(config, log)
