@@ -283,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
         res = run(os.path.abspath(a.ckpt_dir), rtol=a.rtol, want_stats=a.stats)
     except CkptflowError as e:
         res = {"ckpt": a.ckpt_dir, "ok": False, "error": type(e).__name__, "problems": [str(e)]}
+    # What this check cost in CPU, imports included: a fresh process pays for torch and DCP, a child
+    # forked from the fork server only for the check (a process's CPU time starts at its fork).
+    res["process_cpu_seconds"] = time.process_time()
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
         text = json.dumps(res, indent=1)
