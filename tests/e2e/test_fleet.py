@@ -237,13 +237,14 @@ def test_a_lifecycle_killed_inside_verify_holds_its_machine_s_slot_for_seconds_n
     taken = held.stat().st_mtime
     nxt = lifecycle(4)
     assert nxt.returncode == 0, nxt.stderr[-2000:]
-    assert (hot / "tiny" / "_lifecycle" / layout.step_name(4) / "verified.json").exists()
+    verified_json = hot / "tiny" / "_lifecycle" / layout.step_name(4) / "verified.json"
+    assert verified_json.exists()
     assert "died holding it" in nxt.stderr
     # Its verify ran before the killed holder's lease could have run out (the server keeps a slot for
     # SLOT_LEASE_S after its holder's last renewal): it took the slot from the dead holder, it did not
     # wait out the lease. Measured against when the slot was taken, not as the next lifecycle's wall
     # time, which on a loaded machine is mostly its interpreter's start-up (31 s in one CI run).
-    verified = (hot / "tiny" / "_lifecycle" / layout.step_name(4) / "verified.json").stat().st_mtime
+    verified = verified_json.stat().st_mtime
     assert verified - taken < SLOT_LEASE_S, (verified - taken, SLOT_LEASE_S)
     with prefect_at(prefect_pg.url), get_client(sync_client=True) as c:
         assert c.read_global_concurrency_limit_by_name(limit_name("sanity")).active_slots == 0
