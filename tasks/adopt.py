@@ -34,7 +34,7 @@ import contextlib
 import fcntl
 import os
 import re
-import shutil
+import stat
 import threading
 import time
 import zipfile
@@ -46,10 +46,11 @@ from ckptflow.trainer import events, faults
 from ckptflow.trainer.errors import ConfigError, IntegrityError
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.format.atomicity import RENAME
-from ckptflow.trainer.format.checksum import digest_file
+from ckptflow.trainer.format.checksum import digest_file, hash_stream
 from ckptflow.trainer.format.commit import commit_checkpoint
 from ckptflow.trainer.format.manifest import ADOPTED, FileEntry, Manifest
 from ckptflow.trainer.fsutil import fsync_dir, remove_tree
+from ckptflow.trainer.safeopen import NotRegularFileError, copy_fd, file_kind, open_no_links, open_regular
 
 DCP = "dcp"
 TORCH_SAVE = "torch_save"
@@ -61,6 +62,8 @@ HF_ARGS = "training_args.bin"
 """The ``Trainer``'s arguments, pickled whole: never parsed (no restricted loader builds them) and
 never read when it resumes."""
 
+_MAX_HF_STATE = 256 << 20  # trainer_state.json: the log history of a long run, never near this
+
 _STEP_IN_NAME = re.compile(r"(?:step|checkpoint|global_step|iter)[-_=]?(\d+)", re.IGNORECASE)
 
 
@@ -69,10 +72,40 @@ class NotFinished(ConfigError):
 
 
 @dataclass(frozen=True, slots=True)
+class SourceFile:
+    """One file of a source, as inspection found it: the real path it resolved to (once; symlinks in the
+    source included) and the identity of the regular file opened there."""
+
+    path: str
+    shown: str
+    """The name in the source, as a person would look for it."""
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+    mode: int
+
+    def open(self) -> int:
+        """A descriptor of this very file: opened without following any link (:func:`open_no_links`), and the
+        same file (device, inode, size, modification time) inspection looked at, or ``NotFinished``."""
+        try:
+            fd = open_no_links(self.path)
+        except (FileNotFoundError, NotRegularFileError) as e:
+            raise NotFinished(f"{self.shown} changed since it was checked ({e}); adopt it when it stays put") from None
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != (self.dev, self.ino, self.size, self.mtime_ns):
+            os.close(fd)
+            raise NotFinished(
+                f"{self.shown} changed since it was checked (replaced, or still being written); adopt it when done"
+            )
+        return fd
+
+
+@dataclass(frozen=True, slots=True)
 class Source:
     path: str
     format: str
-    files: dict[str, str]
+    files: dict[str, SourceFile]
     """Name in the checkpoint -> the file to copy."""
     world_size: int
 
@@ -86,36 +119,49 @@ def step_from_name(path: str) -> int | None:
 
 def inspect(path: str) -> Source:
     """What ``path`` is and which files it consists of, once it is finished; raises
-    :class:`ConfigError` naming the path and what is missing otherwise."""
+    :class:`ConfigError` naming the path and what is missing otherwise (also for a source that is not ours to
+    trust: a FIFO or device in it, a symlink to a file of another owner, an unsafe name)."""
     path = os.path.abspath(path)
-    if os.path.isdir(path) and not os.path.exists(os.path.join(path, layout.DCP_METADATA)):
-        if os.path.exists(os.path.join(path, HF_STATE)) or _looks_hf(path):
-            return _hf_folder(path)
-    if os.path.isdir(path):
-        return _dcp_folder(path)
-    if os.path.isfile(path):
-        return _torch_save_file(path)
+    try:
+        if os.path.isdir(path) and not os.path.exists(os.path.join(path, layout.DCP_METADATA)):
+            if os.path.exists(os.path.join(path, HF_STATE)) or _looks_hf(path):
+                return _hf_folder(path)
+        if os.path.isdir(path):
+            return _dcp_folder(path)
+        if os.path.lexists(path) and not os.path.isdir(path):
+            return _torch_save_file(path)
+    except NotFinished:
+        raise
+    except IntegrityError as e:  # what the source holds is refused: a usage error (exit 2), not a bad checkpoint
+        raise ConfigError(f"{path}: not adopting it: {e}") from None
     raise ConfigError(f"{path} does not exist; give the folder or file the other tool wrote")
 
 
 def _dcp_folder(path: str) -> Source:
     # Every file of the folder, not only those the metadata names: a tool's own beside DCP's
     # (Lightning's sharded folders keep their non-tensor state in meta.pt) belongs to the checkpoint.
-    return Source(path, DCP, _all_files(path), _check_dcp(path))
+    files = _source_files(path)
+    return Source(path, DCP, files, _check_dcp(path, files))
 
 
-def _check_dcp(path: str) -> int:
+def _check_dcp(path: str, files: dict[str, SourceFile] | None = None) -> int:
     """A finished DCP checkpoint in ``path``: its ``.metadata`` parses through the allow-list and
-    every file it references is long enough for its items. Returns the saving world size."""
-    from ckptflow.trainer.format.dcpmeta import read_dcp_metadata
+    every file it references is long enough for its items. Returns the saving world size. ``files``: a
+    source's files as inspected (what is parsed and measured is what will be copied); else ``path``'s own."""
+    from ckptflow.trainer.format.dcpmeta import MAX_METADATA_BYTES, loads_dcp_metadata, read_dcp_metadata
 
-    if not os.path.isfile(os.path.join(path, layout.DCP_METADATA)):
+    md_path = os.path.join(path, layout.DCP_METADATA)
+    if files is not None and layout.DCP_METADATA not in files or files is None and not os.path.lexists(md_path):
         raise NotFinished(
             f"{path} has no {layout.DCP_METADATA}: not a DCP checkpoint, or one still being written "
             "(DCP writes it last); adopt it once its save has finished"
         )
     try:
-        md = read_dcp_metadata(path)
+        if files is None:
+            md = read_dcp_metadata(path)
+        else:
+            with os.fdopen(files[layout.DCP_METADATA].open(), "rb") as f:
+                md = loads_dcp_metadata(f.read(MAX_METADATA_BYTES + 1), source=md_path)
     except IntegrityError as e:
         raise ConfigError(f"{path}: its {layout.DCP_METADATA} is not one DCP wrote ({e}); not adopting it") from None
     need: dict[str, int] = {}
@@ -125,9 +171,15 @@ def _check_dcp(path: str) -> int:
             continue
         need[rel] = max(need.get(rel, 0), int(info.offset) + int(info.length))
     for rel, end in sorted(need.items()):
-        layout.check_member_name(rel)
+        try:
+            layout.check_member_name(rel)
+        except IntegrityError as e:
+            raise ConfigError(f"{md_path}: names a data file {rel!r} that is not a plain relative name ({e})") from None
         p = os.path.join(path, *rel.split("/"))
-        size = os.path.getsize(p) if os.path.isfile(p) else -1
+        if files is not None:
+            size = files[rel].size if rel in files else -1
+        else:
+            size = os.path.getsize(p) if os.path.isfile(p) else -1
         if size < end:
             what = "missing" if size < 0 else f"{size} bytes, its items end at {end}"
             raise NotFinished(
@@ -138,20 +190,63 @@ def _check_dcp(path: str) -> int:
     return max(1, len(ranks))
 
 
-def _all_files(path: str) -> dict[str, str]:
-    """Every regular file under ``path``, by its "/"-separated name inside it."""
-    files: dict[str, str] = {}
-    for d, _, names in os.walk(path):
-        for n in names:
+def _source_files(path: str) -> dict[str, SourceFile]:
+    """Every file under ``path``, by its "/"-separated name inside it. A symlinked file counts as the file it
+    leads to (the Hugging Face cache and deduplicating tools link into a blob store), resolved once here; a
+    FIFO, socket or device, a dangling link, a symlinked folder, or a link to a file of another owner that
+    others may not read is refused, naming it: a checkpoint is never adopted without one of its files."""
+    files: dict[str, SourceFile] = {}
+    for d, dirs, names in os.walk(path):
+        dirs.sort()  # one order, every time: the copy goes file by file in it
+        for n in dirs:
             full = os.path.join(d, n)
-            if os.path.isfile(full) and not os.path.islink(full):
-                files[layout.check_member_name(os.path.relpath(full, path).replace(os.sep, "/"))] = full
+            if os.path.islink(full):
+                raise ConfigError(
+                    f"{full}: is a symlinked folder; adopt copies the files of the checkpoint's own folders only "
+                    "(link the files, or copy the folder in)"
+                )
+        for n in sorted(names):
+            full = os.path.join(d, n)
+            name = os.path.relpath(full, path).replace(os.sep, "/")
+            try:
+                layout.check_member_name(name)
+            except IntegrityError as e:
+                raise ConfigError(f"{full}: its name cannot be kept in a checkpoint ({e})") from None
+            files[name] = source_file(full)
     if layout.MANIFEST in files:
         raise ConfigError(
             f"{path} holds a {layout.MANIFEST}: it is a ckptflow checkpoint already, not one to adopt; "
             "a committed checkpoint moves between roots with `ckptflow restore`"
         )
     return files
+
+
+def source_file(full: str) -> SourceFile:
+    """One file of a source, resolved and looked at (see :func:`_source_files` for what is refused)."""
+    link = os.lstat(full)
+    real = os.path.realpath(full)
+    try:
+        looked = os.stat(real)
+        if not stat.S_ISREG(looked.st_mode):  # never opened: a device's open alone can act (a tape rewinds)
+            raise ConfigError(f"{full}: is {file_kind(looked.st_mode)}; a checkpoint holds regular files only")
+        fd = open_no_links(real)
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{full}: is a dangling symlink (to {os.readlink(full)}); the file it names is gone"
+        ) from None
+    except NotRegularFileError as e:
+        raise ConfigError(f"{full}: {e}") from None
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if stat.S_ISLNK(link.st_mode) and st.st_uid != link.st_uid and not st.st_mode & stat.S_IROTH:
+        # The link's owner could not read the file it names: copying it for them would hand it over.
+        raise ConfigError(
+            f"{full}: links to {real}, owned by uid {st.st_uid} and not readable by others, while the link "
+            f"belongs to uid {link.st_uid}; refusing to copy it into a checkpoint"
+        )
+    return SourceFile(real, full, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, stat.S_IMODE(st.st_mode))
 
 
 def _looks_hf(path: str) -> bool:
@@ -163,32 +258,41 @@ def _looks_hf(path: str) -> bool:
 def _hf_folder(path: str) -> Source:
     import json
 
-    state = os.path.join(path, HF_STATE)
+    files = _source_files(path)
+    state = files.get(HF_STATE)
     try:
-        with open(state, encoding="utf-8") as f:
-            json.load(f)
+        if state is None:
+            raise OSError(HF_STATE)
+        with os.fdopen(state.open(), "rb") as f:
+            data = f.read(_MAX_HF_STATE + 1)
+        if len(data) > _MAX_HF_STATE:
+            raise ValueError(f"larger than {_MAX_HF_STATE} bytes")
+        json.loads(data)
     except (OSError, ValueError):
         raise NotFinished(
             f"{path} has no readable {HF_STATE}: the Hugging Face Trainer writes it last, so the "
             "checkpoint is still being written (or is not one); adopt it once it is"
         ) from None
-    files = _all_files(path)
     ranks = sum(1 for n in files if re.fullmatch(r"rng_state_\d+\.pth", n))
     return Source(path, HF_TRAINER, files, max(1, ranks))
 
 
 def _torch_save_file(path: str) -> Source:
+    name = os.path.basename(path)
     try:
-        with zipfile.ZipFile(path) as z:
+        layout.check_member_name(name)
+    except IntegrityError as e:
+        raise ConfigError(f"{path}: its name cannot be kept in a checkpoint ({e})") from None
+    sf = source_file(path)
+    try:
+        with os.fdopen(sf.open(), "rb") as f, zipfile.ZipFile(f) as z:
             z.infolist()
     except (zipfile.BadZipFile, OSError) as e:
         raise NotFinished(
             f"{path} is not a finished torch.save file ({e}): torch.save writes the zip's directory "
             "last, so it is still being written or not a checkpoint; adopt it once it is complete"
         ) from None
-    name = os.path.basename(path)
-    layout.check_member_name(name)
-    return Source(path, TORCH_SAVE, {name: path}, 1)
+    return Source(path, TORCH_SAVE, {name: sf}, 1)
 
 
 def adopt(
@@ -212,14 +316,16 @@ def adopt(
     src = inspect(path)
 
     def copy(tmp: str) -> None:
-        for name, source in src.files.items():
-            before = os.stat(source)
+        for name, sf in src.files.items():
             dest = os.path.join(tmp, *name.split("/"))
             os.makedirs(os.path.dirname(dest), exist_ok=True)
-            shutil.copyfile(source, dest)
-            after = os.stat(source)
-            if (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns):
-                raise NotFinished(f"{source} changed while it was copied: still being written; adopt it when done")
+            with os.fdopen(sf.open(), "rb") as fi:  # the file inspected, not whatever the name leads to now
+                # Never wider than the source's mode: a file others could not read stays that way.
+                with os.fdopen(os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, sf.mode & 0o666), "wb") as fo:
+                    n = copy_fd(fi.fileno(), fo)
+                after = os.fstat(fi.fileno())
+            if n != sf.size or (after.st_size, after.st_mtime_ns) != (sf.size, sf.mtime_ns):
+                raise NotFinished(f"{sf.shown} changed while it was copied: still being written; adopt it when done")
             faults.maybe_crash("adopt.copy", step)
 
     return commit_written(
@@ -268,7 +374,7 @@ def commit_written(
             raise
         entries: dict[str, FileEntry] = {}
         folders = set()
-        for name, dest in sorted(_all_files(tmp).items()):
+        for name, dest in sorted(_staged_files(tmp).items()):
             with open(dest, "rb+") as f:
                 os.fsync(f.fileno())
             d = digest_file(dest)
@@ -287,6 +393,20 @@ def commit_written(
         return _announce(manifest, run_path, final, api_url)
 
 
+def _staged_files(tmp: str) -> dict[str, str]:
+    """Every file a writer put into the staging folder ``tmp``, by its "/"-separated name (regular files
+    only: a writer that left anything else there is refused before a manifest vouches for it)."""
+    files: dict[str, str] = {}
+    for d, _, names in os.walk(tmp):
+        for n in names:
+            full = os.path.join(d, n)
+            st = os.lstat(full)
+            if not stat.S_ISREG(st.st_mode):
+                raise ConfigError(f"{full}: is {file_kind(st.st_mode)}; a checkpoint holds regular files only")
+            files[layout.check_member_name(os.path.relpath(full, tmp).replace(os.sep, "/"))] = full
+    return files
+
+
 @contextlib.contextmanager
 def _run_lock(run_path: str) -> Iterator[None]:
     """An exclusive lock on ``<run>/.adopt.lock`` (``flock``: released by the kernel when the holder
@@ -303,10 +423,14 @@ def _already(src: Source, run_path: str, run_id: str, step: int, final: str, api
     from ckptflow.trainer.format.manifest import read_manifest
 
     m = read_manifest(final)
-    same = set(m.files) == set(src.files) and all(
-        m.files[n].size == os.path.getsize(p) and m.files[n].checksum == digest_file(p).hexdigest()
-        for n, p in src.files.items()
-    )
+
+    def unchanged(name: str, sf: SourceFile) -> bool:
+        if m.files[name].size != sf.size:
+            return False
+        with os.fdopen(sf.open(), "rb") as f:
+            return hash_stream(f)[0] == m.files[name].checksum
+
+    same = set(m.files) == set(src.files) and all(unchanged(n, sf) for n, sf in src.files.items())
     if not same:
         raise ConfigError(
             f"{run_id} step {step} is already committed in {final} with other files; a committed "
@@ -400,37 +524,98 @@ def _parse_problem(path: str, name: str, fmt: str) -> str | None:
         if base.endswith(".safetensors"):
             return _safetensors_problem(path, name)
         if base.endswith(".json"):
-            with open(path, encoding="utf-8") as f:
-                json.load(f)
+            with open_regular(path) as f:
+                json.loads(f.read())
             return None
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
         return f"{name}: does not parse ({type(e).__name__}: {str(e)[:200]})"
     return _NOT_PARSED
 
 
+_ST_ITEMSIZE = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "F8_E8M0": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+    "C64": 8,
+}
+"""Bytes per element of each safetensors dtype."""
+_ST_MAX_HEADER = 100 << 20
+
+
 def _safetensors_problem(path: str, name: str) -> str | None:
-    """A safetensors file's header (8-byte length, then JSON) and that its tensors' byte ranges
-    tile the data section exactly: what a reader trusts before it maps the file."""
+    """A safetensors file's header (8-byte length, then a JSON object) checked the way a reader that maps the
+    file relies on it: every tensor a ``dtype`` it knows, a ``shape`` of non-negative integers and
+    ``data_offsets`` whose span holds exactly that many elements, the spans tiling the data section. Any
+    other header (a list, a string where an object belongs, a shape claiming 10^9 elements in 8 bytes) is a
+    problem, named, never an exception."""
     import json
     import struct
 
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
         head = f.read(8)
         if len(head) < 8:
             return f"{name}: shorter than a safetensors header"
         (n,) = struct.unpack("<Q", head)
-        if n > min(size - 8, 100 << 20):
+        if n > min(size - 8, _ST_MAX_HEADER):
             return f"{name}: header length {n} does not fit the file ({size} bytes)"
         header = json.loads(f.read(n))
-    spans = sorted(tuple(v["data_offsets"]) for k, v in header.items() if k != "__metadata__")
+    if not isinstance(header, dict):
+        return f"{name}: header is a JSON {type(header).__name__}, not an object: not safetensors"
+    spans = []
+    for key, v in header.items():
+        if key == "__metadata__":
+            if not isinstance(v, dict) or not all(isinstance(x, str) for x in v.values()):
+                return f"{name}: __metadata__ is not an object of strings"
+            continue
+        why = _tensor_entry_problem(v)
+        if why:
+            return f"{name}: tensor {key[:80]!r}: {why}"
+        spans.append(tuple(v["data_offsets"]))
     end = 0
-    for a, b in spans:
-        if a != end or b < a:
+    for a, b in sorted(spans):
+        if a != end:
             return f"{name}: tensor bytes {a}-{b} do not follow {end}: damaged or not safetensors"
         end = b
     if 8 + n + end != size:
         return f"{name}: {size} bytes, its header accounts for {8 + n + end}"
+    return None
+
+
+def _tensor_entry_problem(v: Any) -> str | None:
+    """What is wrong with one tensor's header entry (None: a dtype, shape and span that agree)."""
+    if not isinstance(v, dict):
+        return f"entry is a JSON {type(v).__name__}, not an object"
+    dtype, shape, offs = v.get("dtype"), v.get("shape"), v.get("data_offsets")
+    if dtype not in _ST_ITEMSIZE:
+        return f"unknown dtype {str(dtype)[:20]!r}"
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        return f"shape {str(shape)[:60]} is not a list of non-negative integers"
+    if (
+        not isinstance(offs, list)
+        or len(offs) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
+        or not 0 <= offs[0] <= offs[1]
+    ):
+        return f"data_offsets {str(offs)[:60]} is not [begin, end] with 0 <= begin <= end"
+    want = _ST_ITEMSIZE[dtype]
+    for d in shape:
+        want *= d
+    if want != offs[1] - offs[0]:
+        return f"shape {shape} of {dtype} needs {want} bytes, its data_offsets span {offs[1] - offs[0]}"
     return None
 
 

@@ -30,6 +30,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptflow.tasks.tierplace import Place, below, overlap, place_of
 from ckptflow.trainer.errors import ConfigError
 
 ENV_VAR = "CKPTFLOW_CONFIG"
@@ -166,6 +167,10 @@ class TierConfig:
     @property
     def is_s3(self) -> bool:
         return self.url.startswith("s3://")
+
+    def place(self) -> Place:
+        """Where this tier is, as identity rather than spelling (``tasks/tierplace.py``)."""
+        return place_of(self.url, local=self.is_local, endpoint_url=self.endpoint_url)
 
     @property
     def is_local(self) -> bool:
@@ -343,13 +348,37 @@ class CkptflowConfig:
             raise _fail("export.cold", True, "needs a [cold] tier")
         if self.export.when == "kept" and not any(t.retention.keep_every for t in (self.cold, self.warm) if t):
             raise _fail("export.when", "kept", "needs retention.keep_every on the cold or warm tier")
-        urls = [t.url.rstrip("/") for t in self.tiers()]
-        if len(set(urls)) != len(urls):
-            raise ConfigError(f"{self.source}: two tiers share one url ({urls}); each tier needs its own root")
+        check_tiers_apart(self.tiers(), self.source)
 
     def tiers(self) -> list[TierConfig]:
         """Configured tiers in restore order: hot, warm, cold."""
         return [t for t in (self.hot, self.warm, self.cold) if t is not None]
+
+
+def check_tiers_apart(tiers: list[TierConfig], source: str) -> None:
+    """Refuse two tiers that are one place, or one inside the other, however their URLs are spelled: each
+    tier's retention and commits would act on the other's checkpoints (a prune through warm deleting what
+    hot still needs)."""
+    places = [(t, t.place()) for t in tiers]
+    for i, (a, pa) in enumerate(places):
+        for b, pb in places[i + 1 :]:
+            if overlap(pa, pb):
+                how = "the same place" if pa.names == pb.names else "one inside the other"
+                raise ConfigError(
+                    f"{source}: tiers {a.name} ({a.url}) and {b.name} ({b.url}) are {how} "
+                    f"(compared by what they resolve to, not by spelling); each tier needs a root of its own, "
+                    f"outside the others"
+                )
+
+
+def where_in_tiers(cfg: CkptflowConfig, path: str) -> tuple[TierConfig, tuple[str, ...]] | None:
+    """The configured folder tier that holds the local ``path`` (resolved as tiers are: symlinks, bind
+    mounts), and ``path``'s components below its root; None when it is in none of them."""
+    inner = place_of(path, local=True)
+    for t in cfg.tiers():
+        if t.is_local and (rel := below(t.place(), inner)) is not None:
+            return t, rel
+    return None
 
 
 # ---- loading ----------------------------------------------------------------------
@@ -427,6 +456,9 @@ def _tier(table: Any, name: str, source: str, base: str) -> TierConfig:
         raise ConfigError(f"{source}: [{name}] must be a table")
     table = dict(table)
     table.setdefault("name", name)
+    if isinstance(table.get("url"), str) and not table["url"].strip():
+        # Left empty, a relative path would resolve to the config file's own folder: never what was meant.
+        raise ConfigError(f"{source}: [{name}] url is empty; give a folder or s3://bucket/prefix")
     if "retention" in table:
         table["retention"] = _build(RetentionConfig, table["retention"], f"{name}.retention", source)
     url = table.get("url")

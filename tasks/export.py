@@ -305,6 +305,26 @@ def _load_shard(ckpt_dir: str, manifest: Any, shard: list[_Entry], arena: _Arena
     return state
 
 
+def _check_out(ckpt_dir: str, out: str) -> None:
+    """OUT must not change a checkpoint: never inside the one it exports (a committed folder is never
+    modified), never named as a step or its staging folder (beside a run's steps it would be a phantom
+    checkpoint counted by retention, and its ``.tmp`` someone else's) except as the lifecycle's own
+    ``_exports/step_N``."""
+    src, dst = os.path.realpath(ckpt_dir), os.path.realpath(out)
+    if dst == src or dst.startswith(src + os.sep):
+        raise ExportError(
+            f"{out} is inside the checkpoint {ckpt_dir} it exports; a committed checkpoint is never "
+            "modified: give a folder outside it"
+        )
+    base, parent = os.path.basename(dst), os.path.basename(os.path.dirname(dst))
+    stepish = layout.parse_step(base) is not None or layout.parse_tmp_step(base) is not None
+    if stepish and parent != EXPORTS_DIR:
+        raise ExportError(
+            f"{out} is named like a checkpoint ({base}); beside a run's steps it would count as one: "
+            "give the export another name"
+        )
+
+
 def export_dir(
     ckpt_dir: str,
     out: str,
@@ -325,6 +345,7 @@ def export_dir(
     t0 = time.perf_counter()
     if os.path.lexists(out):
         raise ExportError(f"{out} already exists; an export is never replaced — give a new folder or remove it")
+    _check_out(ckpt_dir, out)
     if os.path.exists(os.path.join(ckpt_dir, layout.TIER_MANIFEST)):
         raise ExportError(
             f"{ckpt_dir} is a tier's stored copy (it has {layout.TIER_MANIFEST}; its files may be encoded): "

@@ -15,8 +15,13 @@ import time
 import uuid
 from typing import Any
 
+from ckptflow.trainer.errors import IntegrityError
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.fsutil import fsync_dir, replace_atomic, write_durable
+from ckptflow.trainer.safeopen import read_small
+
+_MAX_RECORD = 1 << 20
+_MAX_SIDE_FILE = 64 << 20  # per-tensor statistics of a big model
 
 QUARANTINED = "quarantined"
 """The record of a checkpoint the verify stage found bad (the other records' names are the
@@ -29,14 +34,15 @@ def record_path(run_path: str, step: int, stage: str) -> str:
 
 def read_record(run_path: str, step: int, stage: str) -> dict[str, Any] | None:
     try:
-        with open(record_path(run_path, step, stage), encoding="utf-8") as f:
-            return json.load(f)
+        rec = json.loads(read_small(record_path(run_path, step, stage), _MAX_RECORD))
     except FileNotFoundError:
         return None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        # Records are linked into place complete, so this is outside damage: treat it
-        # as absent so the stage re-runs (stages are idempotent) rather than trusting it.
+    except (json.JSONDecodeError, UnicodeDecodeError, IntegrityError):
+        # Records are linked into place complete, so this is outside damage (or a FIFO, a device, a
+        # giant file planted there): treat it as absent so the stage re-runs (stages are idempotent)
+        # rather than trusting it.
         return None
+    return rec if isinstance(rec, dict) else None
 
 
 def write_record(run_path: str, step: int, stage: str, data: dict[str, Any]) -> dict[str, Any]:
@@ -94,9 +100,8 @@ def write_side_file(run_path: str, step: int, name: str, data: Any) -> str:
 
 def read_side_file(run_path: str, step: int, name: str) -> Any | None:
     try:
-        with open(os.path.join(layout.lifecycle_dir(run_path, step), name), encoding="utf-8") as f:
-            return json.load(f)
-    except (FileNotFoundError, json.JSONDecodeError):
+        return json.loads(read_small(os.path.join(layout.lifecycle_dir(run_path, step), name), _MAX_SIDE_FILE))
+    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError, IntegrityError):
         return None
 
 

@@ -129,7 +129,7 @@ def run(ckpt_dir: str, *, rtol: float = 1e-5, want_stats: bool = False) -> dict[
     env = init_distributed()
     # The cheap checks (manifest, every file present with its size) here; the load verifies
     # every byte as it reads it, before any of it reaches the model.
-    manifest, problems = verify_together(ckpt_dir, env.rank, env.world_size, env.ckpt_group, deep=False)
+    manifest, problems, _ = verify_together(ckpt_dir, env.rank, env.world_size, env.ckpt_group, deep=False)
     t_verify = time.perf_counter() - t0
     out: dict[str, Any] = {"ckpt": ckpt_dir, "world_size": env.world_size, "ok": False}
     if manifest is None:

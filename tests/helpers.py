@@ -175,6 +175,92 @@ def invoke(capsys, *args: str) -> Result:
     return Result(code, cap.out, cap.err)
 
 
+@dataclass
+class Ran:
+    """A command run in a child process: its exit code (None: it was killed after ``timeout``)."""
+
+    code: int | None
+    out: str
+    err: str
+    seconds: float
+
+    @property
+    def hung(self) -> bool:
+        return self.code is None
+
+    def one_line_error(self) -> str:
+        """The command's error, which must be exactly one ``ckptflow: error:`` line on stderr."""
+        lines = [x for x in self.err.splitlines() if x.strip()]
+        errors = [x for x in lines if x.startswith("ckptflow: error:")]
+        assert len(errors) == 1 and lines[-1] == errors[0], f"not one clear error line:\n{self.err[-2000:]}"
+        return errors[0]
+
+
+def forked_cli(argv: list[str], *, env: dict | None = None, cwd: str | None = None, timeout: float = 60) -> Ran:
+    """``ckptflow ARGV`` as the console script runs it (``run_cli`` of its app), in a child forked from this
+    process (its imports already done: milliseconds instead of a fresh interpreter's seconds), with its own
+    stdout, stderr, environment and working directory, killed after ``timeout``: a command that would hang
+    on hostile input fails the test instead of the suite."""
+    from ckptflow.cli.errors import run_cli
+    from ckptflow.cli.main import app
+
+    return forked(lambda: run_cli(app, [str(a) for a in argv]), env=env, cwd=cwd, timeout=timeout)
+
+
+def forked(fn, *, env: dict | None = None, cwd: str | None = None, timeout: float = 60) -> Ran:
+    """``fn()`` in a forked child (see :func:`forked_cli`); its exit code is what ``fn`` returns (an int; 0
+    for anything else), 99 for an exception, whose type and message end its stderr."""
+    import signal
+    import sys
+    import tempfile
+    import time
+
+    with tempfile.TemporaryDirectory(prefix="ckptflow-fork-") as d:
+        out_p, err_p = os.path.join(d, "out"), os.path.join(d, "err")
+        t0 = time.monotonic()
+        pid = os.fork()
+        if pid == 0:  # the child: never returns into pytest
+            code = 99
+            try:
+                os.setpgid(0, 0)
+                for fd, p in ((1, out_p), (2, err_p)):
+                    os.dup2(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+                sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - the child's own streams
+                sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+                if cwd:
+                    os.chdir(cwd)
+                os.environ.update(env or {})
+                got = fn()
+                code = got if isinstance(got, int) and not isinstance(got, bool) else 0
+                sys.stdout.flush()
+                sys.stderr.flush()
+            except BaseException as e:  # noqa: BLE001 - reported through the exit code and stderr
+                os.write(2, f"forked: {type(e).__name__}: {e}\n".encode())
+            finally:
+                os._exit(code)
+        code: int | None = None
+        while time.monotonic() - t0 < timeout:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                code = os.waitstatus_to_exitcode(status)
+                break
+            time.sleep(0.01)
+        else:
+            os.killpg(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        seconds = time.monotonic() - t0
+        with open(out_p) as fo, open(err_p) as fe:
+            return Ran(code, fo.read(), fe.read(), seconds)
+
+
+def pickle_bomb(depth: int = 60) -> bytes:
+    """``str`` of a list nested in itself ``depth`` times: only allow-listed callables, a few hundred bytes,
+    more work than any machine has (each level doubles the text)."""
+    out = b"\x80\x04cbuiltins\nstr\n]q\x000"  # PROTO 4, GLOBAL builtins.str, EMPTY_LIST, BINPUT 0, POP
+    out += b"(h\x00h\x00lq\x000" * depth  # MARK, BINGET 0, BINGET 0, LIST, BINPUT 0, POP: a = [a, a]
+    return out + b"h\x00\x85R."  # BINGET 0, TUPLE1, REDUCE: str(a)
+
+
 # ---- a run's files as the trainer and the drill write them ------------------------------
 
 

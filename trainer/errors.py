@@ -13,12 +13,14 @@ __all__ = [
     "CkptflowError",
     "CodecError",
     "ConfigError",
+    "DestinationError",
     "IntegrityError",
     "ManifestError",
     "MismatchError",
     "SaveError",
     "StorageError",
     "UnsafePathError",
+    "UntrustedError",
 ]
 
 
@@ -46,6 +48,12 @@ class ManifestError(IntegrityError):
     """The manifest is missing, unreadable, of an unknown format, or tampered with."""
 
 
+class UntrustedError(ManifestError):
+    """The manifest may be intact, but this process cannot trust or read it: unsigned (or signed with another
+    key) while a key is configured, or written by a newer ckptflow. Refused, but never called damage: a
+    checkpoint refused for this is not set aside (the key or the version is what to fix)."""
+
+
 class UnsafePathError(IntegrityError):
     """A name in a manifest or an object key escapes the checkpoint (``..``, absolute, symlink)."""
 
@@ -60,6 +68,11 @@ class SaveError(CkptflowError, RuntimeError):
 
 class StorageError(CkptflowError, OSError):
     """A storage tier operation failed (after its retries)."""
+
+
+class DestinationError(StorageError):
+    """Writing where the caller asked (a restore's ``--to``, an export's ``OUT``) failed: a full disk, a
+    read-only or foreign folder. Not the checkpoint's fault, so no other candidate is tried."""
 
 
 class CodecError(CkptflowError, ValueError):

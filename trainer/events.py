@@ -8,6 +8,7 @@ and Prefect is not imported (slow, starts background services). See docs/archite
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ from datetime import UTC, datetime
 
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.fsutil import append_durable
+from ckptflow.trainer.safeopen import open_regular
 
 __all__ = [
     "ARCHIVED",
@@ -106,7 +108,7 @@ def read_jsonl(path: str) -> list[dict]:
     """Every complete record of a JSON-lines file ([] if none; torn or non-object lines skipped)."""
     out = []
     try:
-        with open(path, encoding="utf-8") as f:
+        with open_regular(path, what="a run folder") as raw, io.TextIOWrapper(raw, encoding="utf-8") as f:
             for line in f:
                 try:
                     d = json.loads(line)

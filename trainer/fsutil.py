@@ -11,6 +11,7 @@ import uuid
 __all__ = [
     "append_durable",
     "fsync_dir",
+    "make_sibling_dir",
     "remove_tree",
     "rename_durable",
     "replace_atomic",
@@ -76,6 +77,22 @@ def rename_durable(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     src_parent = os.path.dirname(os.fspath(src)) or "."
     if os.path.abspath(src_parent) != os.path.abspath(os.path.dirname(os.fspath(dst)) or "."):
         fsync_dir(src_parent)
+
+
+def make_sibling_dir(path: str | os.PathLike, tag: str = "part") -> str:
+    """A new, hidden, uniquely named directory beside ``path`` (``.<name>.<tag>-<random>``) to build ``path`` in
+    and rename into place. Made with the process's umask, as ``os.makedirs`` makes ``path``: ``mkdtemp``'s 0700
+    would leave a restored checkpoint unreadable to the (other) user who trains from it."""
+    path = os.path.abspath(os.fspath(path))
+    parent, base = os.path.split(path)
+    os.makedirs(parent, exist_ok=True)
+    while True:
+        d = os.path.join(parent, f".{base}.{tag}-{uuid.uuid4().hex[:12]}")
+        try:
+            os.mkdir(d, 0o777)
+            return d
+        except FileExistsError:
+            continue
 
 
 def remove_tree(path: str | os.PathLike) -> None:

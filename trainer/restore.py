@@ -20,7 +20,7 @@ from ckptflow.trainer.format.manifest import Manifest
 from ckptflow.trainer.loader import Reshard, files_read, load_target, load_verified
 from ckptflow.trainer.nodes.topology import Topology
 from ckptflow.trainer.nodes.twolevel import not_recoverable_error, resume_point
-from ckptflow.trainer.resume import check_provenance, find_resume_point, no_checkpoint_error
+from ckptflow.trainer.resume import check_provenance, find_resume_point, no_checkpoint_error, only_set_aside_error
 from ckptflow.trainer.state import TrainState
 
 __all__ = ["LoadResult", "Resume", "resume"]
@@ -74,6 +74,7 @@ def _mismatches(r: Resume, manifest: Manifest, path: str) -> list[str]:
 def _resume_shared(r: Resume, load: Callable[[str, Manifest], object]) -> LoadResult:
     env = r.env
     skipped: list[tuple[str, str]] = []
+    damaged: list[tuple[int, str]] = []
     after: int | None = None
     mism: list[str] = []
     while True:
@@ -83,14 +84,16 @@ def _resume_shared(r: Resume, load: Callable[[str, Manifest], object]) -> LoadRe
             r.run_path, rank=env.rank, world=env.world_size, group=env.ckpt_group, deep=False, after=after
         )
         skipped += [x for x in rep.skipped if x not in skipped]
+        damaged += [x for x in rep.damaged if x not in damaged]
         if rep.chosen is None:
             break
         mism = _mismatches(r, rep.chosen.manifest, rep.chosen.path)
         try:
             load(rep.chosen.path, rep.chosen.manifest)
             break
-        except IntegrityError as e:
+        except IntegrityError as e:  # a byte that differs from the manifest, seen by any rank: damage
             skipped.append((rep.chosen.path, str(e)))
+            damaged.append((rep.chosen.step, str(e)))
             after = rep.chosen.step
     for path, why in skipped:
         if env.rank == 0:
@@ -99,10 +102,18 @@ def _resume_shared(r: Resume, load: Callable[[str, Manifest], object]) -> LoadRe
         if r.required or skipped:
             # Checkpoints exist but none verifies: starting over silently would discard training; ask the operator
             raise no_checkpoint_error(r.run_path, skipped)
+        aside = commit.set_aside_steps(r.run_path)
+        if aside:  # every checkpoint was set aside as damaged earlier: still not a reason to start over silently
+            raise only_set_aside_error(r.run_path, aside)
         return LoadResult(0, None)
     for m in mism:
         log.warning("resume despite mismatch (allow_mismatch): %s", m)
     if env.rank == 0:
+        # Damaged means no longer committed: what this resume passed over is set aside, so the saves that
+        # replay those steps commit (not dropped as "already committed" beside a damaged copy).
+        for step, why in damaged:
+            if step > rep.chosen.step:
+                commit.set_aside(r.run_path, step, [why], found_by="resume")
         if rep.latest_was != rep.chosen.step:
             log.warning("resume: 'latest' named %s; repaired to step %d", rep.latest_was, rep.chosen.step)
             commit.write_latest(r.run_path, rep.chosen.step)
@@ -127,11 +138,17 @@ def _resume_nodes(r: Resume, state: TrainState, load: Callable[[str, Manifest], 
     if rep.step is None or rep.manifest is None:
         if r.required or rep.skipped:
             raise not_recoverable_error(r.run_path, rep.skipped)
+        if rep.set_aside:  # agreed: every rank has every node's answer
+            raise only_set_aside_error(r.run_path, [f"on node {n}" for n in rep.set_aside])
         return LoadResult(0, None)
     mism = _mismatches(r, rep.manifest, rep.path)
     for m in mism:
         log.warning("resume despite mismatch (allow_mismatch): %s", m)
     load(rep.path, rep.manifest)
+    if topo.is_leader:  # each node sets aside its own copy of what the agreed resume passed over
+        for step, why in rep.damaged:
+            if step > rep.step:
+                commit.set_aside(r.run_path, step, [why], found_by=f"resume on node {topo.node_id}")
     if topo.is_leader and rep.latest_was != rep.step:
         log.warning("resume: node %s's 'latest' named %s; repaired to step %d", topo.node_id, rep.latest_was, rep.step)
         commit.write_latest(r.run_path, rep.step)

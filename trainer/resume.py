@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ckptflow.trainer.distenv import gather
 from ckptflow.trainer.errors import CheckpointNotFoundError, MismatchError
 from ckptflow.trainer.format import commit, layout
 from ckptflow.trainer.format.manifest import Manifest
-from ckptflow.trainer.verify import check_present, share_of_files, verify_checkpoint
+from ckptflow.trainer.verify import Problem, check_present, share_of_files, verify_checkpoint
 
 __all__ = [
     "Candidate",
@@ -25,6 +25,7 @@ __all__ = [
     "check_provenance",
     "find_resume_point",
     "no_checkpoint_error",
+    "only_set_aside_error",
     "verify_together",
 ]
 
@@ -45,27 +46,33 @@ class ResumeReport:
     skipped: list[tuple[str, str]]
     """(path, why) for each newer checkpoint passed over."""
     latest_was: int | None
+    damaged: list[tuple[int, str]] = field(default_factory=list)
+    """(step, why) for each committed checkpoint passed over as damaged or quarantined (not for a manifest
+    this process cannot trust: another key, a newer format): what a resume that goes on sets aside."""
 
 
-def verify_together(path: str, rank: int, world: int, group, *, deep: bool = True) -> tuple[Manifest | None, list[str]]:
-    """All ranks check one checkpoint and agree on the problems. ``deep``: each rank hashes its share of the
-    files. Not deep: the manifest authenticated and every file present with its size; the load then verifies
-    the bytes as it reads them (``trainer/dcp/reader.py``), so each byte is read once."""
+def verify_together(
+    path: str, rank: int, world: int, group, *, deep: bool = True
+) -> tuple[Manifest | None, list[str], bool]:
+    """All ranks check one checkpoint and agree on the problems, and on whether they are damage (False when
+    any is only distrust: no or another signing key, a newer format). ``deep``: each rank hashes its share of
+    the files. Not deep: the manifest authenticated and every file present with its size; the load then
+    verifies the bytes as it reads them (``trainer/dcp/reader.py``), so each byte is read once."""
     whole = verify_checkpoint(path, only=[])  # manifest only: cheap, every rank reads it
-    problems: list[str] = [str(p) for p in whole.problems]
+    found: list[Problem] = list(whole.problems)
     if whole.manifest is not None:
         if deep:
             mine = share_of_files(whole.manifest, rank, world)
-            problems += [str(p) for p in verify_checkpoint(path, only=mine).problems]
+            found += verify_checkpoint(path, only=mine).problems
         elif rank == 0:
-            problems += [
-                str(p)
-                for n, e in sorted(whole.manifest.files.items())
-                if (p := check_present(path, n, e.size)) is not None
+            found += [
+                p for n, e in sorted(whole.manifest.files.items()) if (p := check_present(path, n, e.size)) is not None
             ]
+    pairs = [(str(p), p.damage) for p in found]
     if world > 1:
-        problems = sorted({p for ps in gather(problems, group) for p in ps})
-    return (whole.manifest if not problems else None), problems
+        pairs = sorted({p for ps in gather(pairs, group) for p in ps})
+    problems = sorted({p for p, _ in pairs})
+    return (whole.manifest if not pairs else None), problems, all(d for _, d in pairs)
 
 
 def find_resume_point(
@@ -76,6 +83,7 @@ def find_resume_point(
     latest = commit.read_latest(run_path)
     steps = commit.committed_steps(run_path)
     skipped: list[tuple[str, str]] = []
+    damaged: list[tuple[int, str]] = []
     if latest is not None and latest not in steps:
         skipped.append((os.path.join(run_path, layout.step_name(latest)), "named by 'latest' but missing"))
     for step in steps:
@@ -84,13 +92,16 @@ def find_resume_point(
         path = os.path.join(run_path, layout.step_name(step))
         if commit.is_quarantined(run_path, step):
             skipped.append((path, "quarantined by the lifecycle's verify stage"))
+            damaged.append((step, "quarantined by the lifecycle's verify stage"))
             continue
-        manifest, problems = verify_together(path, rank, world, group, deep=deep)
+        manifest, problems, is_damage = verify_together(path, rank, world, group, deep=deep)
         if manifest is None:
             skipped.append((path, "; ".join(problems)))
+            if is_damage:
+                damaged.append((step, "; ".join(problems)))
             continue
-        return ResumeReport(Candidate(step, path, manifest), skipped, latest)
-    return ResumeReport(None, skipped, latest)
+        return ResumeReport(Candidate(step, path, manifest), skipped, latest, damaged)
+    return ResumeReport(None, skipped, latest, damaged)
 
 
 def check_provenance(
@@ -119,4 +130,17 @@ def no_checkpoint_error(run_path: str, skipped: list[tuple[str, str]]) -> Checkp
     return CheckpointNotFoundError(
         f"no committed checkpoint under {run_path} verifies ({detail}). Restore one from the warm "
         "or cold tier ('ckptflow restore RUN --to DIR'), or start fresh with a new run id"
+    )
+
+
+def only_set_aside_error(run_path: str, aside: list[str]) -> CheckpointNotFoundError:
+    """The run has no committed checkpoint, but some were set aside as damaged: starting at step 0 would
+    silently throw its training away."""
+    shown = ", ".join(aside[:4]) + (f" (+{len(aside) - 4} more)" if len(aside) > 4 else "")
+    return CheckpointNotFoundError(
+        f"{run_path} holds no committed checkpoint, only damaged ones set aside in "
+        f"{os.path.join(run_path, layout.DAMAGED_DIR)} ({shown}); not starting over at step 0. Restore a "
+        "checkpoint from the warm or cold tier ('ckptflow restore RUN --step N --to "
+        f"{run_path}/step_<N as 9 digits>'), or, to start over on purpose, remove "
+        f"{os.path.join(run_path, layout.DAMAGED_DIR)} or use a new run id"
     )

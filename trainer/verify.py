@@ -8,14 +8,16 @@ xxhash release the GIL).
 from __future__ import annotations
 
 import os
+import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from ckptflow.trainer.errors import IntegrityError, UnsafePathError
+from ckptflow.trainer.errors import IntegrityError, UnsafePathError, UntrustedError
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.format.checksum import hash_file
 from ckptflow.trainer.format.manifest import Manifest, read_manifest
+from ckptflow.trainer.safeopen import file_kind
 
 __all__ = [
     "Problem",
@@ -33,6 +35,9 @@ __all__ = [
 class Problem:
     path: str
     what: str
+    damage: bool = True
+    """The checkpoint is damaged (bytes, files, manifest). False: refused only because this process cannot
+    trust it (no or another signing key, a newer format), which no copy of it would fix."""
 
     def __str__(self) -> str:
         return f"{self.path}: {self.what}"
@@ -87,6 +92,8 @@ def check_present(ckpt_dir: str, name: str, size: int) -> Problem | None:
         st = os.stat(path)
     except FileNotFoundError:
         return Problem(path, "missing")
+    if not stat.S_ISREG(st.st_mode):
+        return Problem(path, f"is {file_kind(st.st_mode)}, not a regular file (never opened)")
     if st.st_size != size:
         return Problem(path, f"size {st.st_size} != {size} in the manifest (truncated or replaced)")
     return None
@@ -98,7 +105,12 @@ def check_file(ckpt_dir: str, name: str, size: int, checksum: str) -> Problem | 
     if problem is not None:
         return problem
     path = os.path.join(ckpt_dir, *name.split("/"))  # what resolve_member returned, having checked it
-    digest, n = hash_file(path)
+    try:
+        digest, n = hash_file(path)
+    except IntegrityError as e:  # swapped for a FIFO or device after the look (trainer.safeopen)
+        return Problem(path, str(e))
+    except FileNotFoundError:
+        return Problem(path, "missing")
     if n != size:
         return Problem(path, f"changed while being read ({n} bytes read, {size} expected)")
     if digest != checksum:
@@ -128,7 +140,7 @@ def verify_checkpoint(
     try:
         res.manifest = read_manifest(ckpt_dir, key=key)
     except IntegrityError as e:
-        res.problems.append(Problem(e.path or ckpt_dir, str(e)))
+        res.problems.append(Problem(e.path or ckpt_dir, str(e), damage=not isinstance(e, UntrustedError)))
         return res
     got = (res.manifest.run_id, res.manifest.step)
     if expect is not None and got != tuple(expect):

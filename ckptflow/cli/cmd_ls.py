@@ -86,10 +86,10 @@ def ls(
             )
         run_filter = check_run(target)
 
-    rows, unreachable = collect(cfg, run_filter)
+    rows, unreachable, aside = collect(cfg, run_filter)
     for name, why in unreachable.items():
         hint(f"warning: tier {name} could not be listed: {why}")
-    if run_filter is not None and not rows and not unreachable:
+    if run_filter is not None and not rows and not unreachable and not aside:
         fail(
             f"run {run_filter!r} has no committed checkpoint on any tier "
             f"({', '.join(f'{t.name} {t.url}' for t in tiers(cfg))}); `ckptflow ls` lists the runs",
@@ -103,14 +103,37 @@ def ls(
                     "tiers": {t.name: t.url for t in cfg.tiers()},
                     "unreachable": unreachable,
                     "checkpoints": [asdict(r) for r in rows],
+                    "set_aside": [asdict(a) for a in aside],
                 },
                 indent=1,
             )
         )
     else:
         _table(cfg, rows, layout)
+        _aside_lines(aside)
     if unreachable:
         raise typer.Exit(EXIT_ERROR)
+
+
+@dataclass(slots=True)
+class Aside:
+    """A checkpoint found damaged and set aside: no longer committed, kept for inspection."""
+
+    run_id: str
+    step: int
+    tier: str
+    location: str
+
+
+def _aside_lines(aside: list[Aside]) -> None:
+    from ckptflow.cli.common import console
+
+    if not aside:
+        return
+    con = console()
+    con.print("set aside as damaged (no longer committed, kept to inspect; remove by hand when done):")
+    for a in aside:
+        con.print(f"  {a.run_id} step {a.step} on {a.tier}: {a.location}", highlight=False, markup=False)
 
 
 def _looks_like_run(path: str) -> bool:
@@ -123,9 +146,9 @@ def _looks_like_run(path: str) -> bool:
     return layout.LATEST in names or any(layout.parse_step(n) is not None for n in names)
 
 
-def collect(cfg: Any, run_filter: str | None = None) -> tuple[list[Row], dict[str, str]]:
-    """Rows for every committed checkpoint (of ``run_filter``) on every tier, and the tiers
-    that could not be listed (name -> reason)."""
+def collect(cfg: Any, run_filter: str | None = None) -> tuple[list[Row], dict[str, str], list[Aside]]:
+    """Rows for every committed checkpoint (of ``run_filter``) on every tier, the tiers that could not be
+    listed (name -> reason), and the checkpoints set aside as damaged."""
     from ckptflow.tasks import records
     from ckptflow.tasks.stages import RECORDS, VERIFY, stage_records
     from ckptflow.tasks.storage import open_tiers
@@ -135,10 +158,14 @@ def collect(cfg: Any, run_filter: str | None = None) -> tuple[list[Row], dict[st
     found: dict[tuple[str, int], Row] = {}
     unreachable: dict[str, str] = {}
     latest_of: dict[tuple[str, str], int | None] = {}
+    aside: list[Aside] = []
     for tier in open_tiers(cfg):
         try:
             runs = [run_filter] if run_filter else tier.list_runs()
             for run in runs:
+                for name in tier.set_aside_names(run):
+                    where = layout.join(tier.url_for(run), layout.DAMAGED_DIR, name)
+                    aside.append(Aside(run, layout.parse_set_aside(name) or 0, tier.name, where))
                 steps = tier.committed_steps(run)
                 if not steps:
                     continue
@@ -187,7 +214,7 @@ def collect(cfg: Any, run_filter: str | None = None) -> tuple[list[Row], dict[st
         if q is not None:
             row.quarantined, row.verified = True, False
             row.quarantine_reasons = [str(x) for x in q.get("reasons", [])] or ["no reason recorded"]
-    return sorted(found.values(), key=lambda r: (r.run_id, r.step)), unreachable
+    return sorted(found.values(), key=lambda r: (r.run_id, r.step)), unreachable, aside
 
 
 def _add_parts(cfg: Any, found: dict) -> None:

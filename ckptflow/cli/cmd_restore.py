@@ -57,6 +57,7 @@ def restore(
     if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
         fail(f"{dst} exists and is not an empty directory; give a new or empty --to directory", EXIT_USAGE)
     cfg = load(config)
+    _check_not_a_phantom(cfg, dst, run_id, step)
     chosen = tiers(cfg, tier)
     first = _newest_candidate(chosen, run_id, step)
     if first is None:
@@ -80,6 +81,29 @@ def restore(
     finally:
         quiet.setLevel(level)
     _report(res, as_json)
+
+
+def _check_not_a_phantom(cfg: Any, dst: str, run_id: str, step: int | None) -> None:
+    """A folder inside a tier's run is one of its checkpoints: restoring there is right only as that step's
+    own folder (putting a checkpoint back on a tier by hand). Anywhere else in a tier it would become a
+    phantom step that counts toward ``keep_last``, or land beside the tier's own records."""
+    from ckptflow.cli.common import fail
+    from ckptflow.cli.errors import EXIT_USAGE
+    from ckptflow.tasks.config import where_in_tiers
+    from ckptflow.trainer.format import layout
+
+    hit = where_in_tiers(cfg, dst)
+    if hit is None:
+        return
+    tier, rel = hit
+    if step is not None and rel == (run_id, layout.step_name(step)):
+        return
+    fail(
+        f"{dst} is inside tier {tier.name} ({tier.url}); a restore there must be the step's own folder "
+        f"({layout.join(tier.url, run_id, 'step_<N as 9 digits>')} with --step N), so that it does not become "
+        "a checkpoint the tier never committed; restore somewhere else",
+        EXIT_USAGE,
+    )
 
 
 def _stderr_is_tty() -> bool:

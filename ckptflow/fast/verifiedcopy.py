@@ -23,6 +23,8 @@ import torch
 from ckptflow.fast import memcopy
 from ckptflow.fast.devicecopy import DeviceCopies, Span, staged
 from ckptflow.trainer.dcp.reader import Block, Copy
+from ckptflow.trainer.errors import IntegrityError
+from ckptflow.trainer.safeopen import open_regular_fd
 
 TASK_BYTES = 8 << 20
 """Blocks are verified in runs of about this many bytes per task (a task costs ~20 us)."""
@@ -342,8 +344,8 @@ class Streamer:
         if self.warm:
             return 0
         try:
-            fd = os.open(self._path, os.O_RDONLY)
-        except OSError:
+            fd = open_regular_fd(self._path)
+        except (OSError, IntegrityError):
             return 0  # the load reports it
         sink = _null()
         flat = torch.frombuffer(self._data, dtype=torch.uint8) if self._data is not None else None
@@ -401,8 +403,8 @@ def _null() -> int | None:
 def _looks_resident(path: str, size: int) -> bool:
     """Whether the file's first, middle and last bytes are in the page cache (``mincore`` of every page costs more)."""
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
+        fd = open_regular_fd(path)
+    except (OSError, IntegrityError):
         return False
     try:
         probe = memoryview(bytearray(1))

@@ -27,12 +27,19 @@ import fsspec
 from ckptflow.tasks.config import TierConfig
 from ckptflow.tasks.storage.index import TierIndex, identity_index, parse_marker
 from ckptflow.tasks.storage.s3 import S3Objects
-from ckptflow.trainer.errors import CheckpointNotFoundError, ManifestError, StorageError, UnsafePathError
+from ckptflow.trainer.errors import (
+    CheckpointNotFoundError,
+    IntegrityError,
+    ManifestError,
+    StorageError,
+    UnsafePathError,
+)
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.format.atomicity import RENAME, CommitRule, MarkerCommit, RenameCommit
 from ckptflow.trainer.format.checksum import hash_bytes
 from ckptflow.trainer.format.manifest import MAX_MANIFEST_BYTES, Manifest
 from ckptflow.trainer.fsutil import remove_tree, replace_atomic
+from ckptflow.trainer.safeopen import read_small
 from ckptflow.trainer.verify import resolve_member
 
 log = logging.getLogger(__name__)
@@ -170,11 +177,14 @@ class Tier:
             raise _wrap(layout.join(run, layout.step_name(step)), "exists", e) from None
 
     def latest_step(self, run_id: str) -> int | None:
-        """The step ``latest`` names on this tier (the trainer writes it on hot), or None."""
-        data = self.read_bytes(layout.join(layout.run_dir(self.url, run_id), layout.LATEST), limit=64, missing_ok=True)
+        """The step ``latest`` names on this tier (the trainer writes it on hot), or None: also for a ``latest``
+        that is not a small regular file (a FIFO, a device, garbage), which is never trusted anyway."""
+        url = layout.join(layout.run_dir(self.url, run_id), layout.LATEST)
         try:
+            data = self.read_bytes(url, limit=64, missing_ok=True)
             return layout.parse_step(data.decode().strip()) if data else None
-        except UnicodeDecodeError:
+        except (UnicodeDecodeError, IntegrityError) as e:
+            log.warning("ignoring %s: %s", url, e)
             return None
 
     def is_quarantined(self, run_id: str, step: int) -> bool:
@@ -261,14 +271,20 @@ class Tier:
             raise _wrap(url, "exists", e) from None
 
     def read_bytes(self, url: str, *, limit: int, missing_ok: bool = False) -> bytes | None:
-        """A small file's bytes (at most ``limit``; a bigger file is refused, not truncated)."""
+        """A small file's bytes (at most ``limit``; a bigger file is refused, not truncated). On a folder tier
+        only a regular file is opened (``trainer.safeopen``): a FIFO or device there is refused by name."""
         try:
-            with self.fs.open(url, "rb") as f:
-                data = f.read(limit + 1)
+            if self.is_local:
+                data = read_small(url, limit + 1, what=f"tier {self.name}")
+            else:
+                with self.fs.open(url, "rb") as f:
+                    data = f.read(limit + 1)
         except FileNotFoundError:
             if missing_ok:
                 return None
             raise
+        except IntegrityError:
+            raise  # not a regular file, or far too large: what the tier holds is wrong, not the tier
         except _IO_ERRORS as e:
             raise _wrap(url, "read", e) from None
         if len(data) > limit:
@@ -348,7 +364,7 @@ class Tier:
         if left is None:
             return
         if self.is_local:
-            remove_tree(left)
+            remove_tree(left)  # tolerates a concurrent delete removing it first
             return
         try:
             keys = [k for k in self.fs.find(uri) if k]
@@ -361,8 +377,30 @@ class Tier:
         if keys:
             try:
                 self.fs.rm(keys)
+            except FileNotFoundError:
+                pass  # a concurrent delete removed them first: gone is what was asked
             except OSError as e:
                 raise _wrap(uri, "delete", e) from None
+
+    def set_aside(self, run_id: str, step: int, reasons: list[str], *, found_by: str) -> str | None:
+        """Damaged means no longer committed (``trainer.format.atomicity``): take this tier's copy of the step
+        out of its committed names, kept for inspection under ``_damaged/``; returns where (None: not
+        committed here)."""
+        run = layout.run_dir(self.url, run_id)
+        try:
+            where = self.rule.set_aside(run, step, {"found_by": found_by, "reasons": reasons, "tier": self.name})
+        except _IO_ERRORS as e:
+            raise _wrap(layout.join(run, layout.step_name(step)), "set aside", e) from None
+        if where is not None:
+            log.warning(
+                "%s is damaged (%s); set aside as %s", self.url_for(run_id, step), "; ".join(reasons)[:300], where
+            )
+        return where
+
+    def set_aside_names(self, run_id: str) -> list[str]:
+        """What this tier's ``_damaged/`` holds for the run (names; [] if nothing was set aside)."""
+        got = self.ls_names(layout.join(layout.run_dir(self.url, run_id), layout.DAMAGED_DIR))
+        return [n for n in got if layout.parse_set_aside(n) is not None]
 
     def clean_stale(self, run_id: str, *, older_than_s: float = 3600.0) -> list[str]:
         """Remove ``step_N.tmp`` and ``step_N.deleting`` dirs older than ``older_than_s``

@@ -18,11 +18,12 @@ only when every file matched, so ``dst_dir`` either holds a whole, verified chec
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import shutil
-import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ckptflow.tasks.codec import get_codec
@@ -31,15 +32,22 @@ from ckptflow.tasks.storage.tier import StoredCheckpoint, Tier
 from ckptflow.tasks.transfer import _streams as streams
 from ckptflow.tasks.transfer._pool import run_all
 from ckptflow.tasks.transfer.results import FetchResult
-from ckptflow.trainer.errors import CodecError, ConfigError, IntegrityError
+from ckptflow.trainer.errors import (
+    CkptflowError,
+    CodecError,
+    ConfigError,
+    DestinationError,
+    IntegrityError,
+    StorageError,
+)
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.format.checksum import hash_file
+from ckptflow.trainer.fsutil import make_sibling_dir
+from ckptflow.trainer.safeopen import copy_fd, open_regular
 
 Progress = Callable[[int], None]
 """Called with a number of bytes just processed (from worker threads: it must be thread-safe;
 rich's ``Progress.advance`` is). May be negative: an S3 retry takes back what it re-reads."""
-
-_COPY_BLOCK = 8 << 20
 
 
 def progress_total(tier: Tier, index: TierIndex) -> int:
@@ -65,14 +73,17 @@ def fetch(
     t0 = time.perf_counter()
     ckpt = tier.open_checkpoint(run_id, step)
     dst_dir = os.path.abspath(dst_dir)
-    if os.path.exists(dst_dir) and (not os.path.isdir(dst_dir) or os.listdir(dst_dir)):
-        raise ConfigError(f"fetch destination {dst_dir} exists and is not an empty directory; give a new or empty one")
-    parent, base = os.path.split(dst_dir)
-    os.makedirs(parent, exist_ok=True)
-    part = tempfile.mkdtemp(prefix=f".{base}.part-", dir=parent)
-    # Compressed objects land in a sibling dir, never inside `part`: no stored name can
-    # then collide with (or delete) a member of the checkpoint.
-    stored = tempfile.mkdtemp(prefix=f".{base}.stored-", dir=parent)
+    check_destination(dst_dir)
+    try:
+        part = make_sibling_dir(dst_dir, "part")
+        # Compressed objects land in a sibling dir, never inside `part`: no stored name can
+        # then collide with (or delete) a member of the checkpoint.
+        stored = make_sibling_dir(dst_dir, "stored")
+    except OSError as e:  # not even a folder beside it: the destination's problem, whatever the errno
+        raise DestinationError(
+            f"{dst_dir}: cannot write the checkpoint there ({e.strerror or e}: {e.filename}); fix the folder's "
+            "owner, mode or free space, or choose another destination"
+        ) from e
     res = FetchResult(
         uri=ckpt.uri,
         tier=tier.name,
@@ -87,19 +98,26 @@ def fetch(
     items = sorted(ckpt.index.files.items())
     workers = max(1, min(threads or 4, len(items)))
     try:
-        td = time.perf_counter()
-        local = _download(tier, ckpt, items, part, stored, workers, progress)
-        res.download_seconds = time.perf_counter() - td
-        tz = time.perf_counter()
-        if ckpt.index.codec != "none":
-            codec_threads = tier.config.codec_threads
-            run_all(lambda it: _decode(ckpt, it[0], local[it[0]], part, codec_threads, progress), items, workers)
-        res.decompress_seconds = time.perf_counter() - tz
-        with open(os.path.join(part, layout.MANIFEST), "wb") as f:
-            f.write(ckpt.manifest_bytes)
-        if os.path.isdir(dst_dir):
-            os.rmdir(dst_dir)  # empty (checked above); rename needs the name free
-        os.rename(part, dst_dir)
+        with _destination(dst_dir, part, stored):
+            td = time.perf_counter()
+            local = _download(tier, ckpt, items, part, stored, workers, progress)
+            res.download_seconds = time.perf_counter() - td
+            tz = time.perf_counter()
+            if ckpt.index.codec != "none":
+                codec_threads = tier.config.codec_threads
+                run_all(lambda it: _decode(ckpt, it[0], local[it[0]], part, codec_threads, progress), items, workers)
+            res.decompress_seconds = time.perf_counter() - tz
+            if layout.DCP_METADATA in ckpt.manifest.files:
+                # What `ckptflow verify` checks beyond the digests: an unsigned manifest can vouch for any
+                # bytes, so .metadata must also parse as DCP's (restricted, bounded) before it is handed on.
+                from ckptflow.trainer.format.dcpmeta import read_dcp_metadata
+
+                read_dcp_metadata(os.path.join(part, layout.DCP_METADATA), source=ckpt.object_url(layout.DCP_METADATA))
+            with open(os.path.join(part, layout.MANIFEST), "wb") as f:
+                f.write(ckpt.manifest_bytes)
+            if os.path.isdir(dst_dir):
+                os.rmdir(dst_dir)  # empty (checked above); rename needs the name free
+            os.rename(part, dst_dir)
     except BaseException:
         shutil.rmtree(part, ignore_errors=True)
         raise
@@ -107,6 +125,42 @@ def fetch(
         shutil.rmtree(stored, ignore_errors=True)
     res.seconds = time.perf_counter() - t0
     return res
+
+
+DESTINATION_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG})
+"""Errors that say where bytes are written is the problem, whatever file was being read."""
+
+
+def check_destination(dst_dir: str) -> None:
+    """A restore's destination: absent, or an empty directory that is not a symlink (a link would have the
+    checkpoint land wherever it points). Raises :class:`DestinationError` naming it otherwise."""
+    if os.path.islink(dst_dir):
+        raise DestinationError(
+            f"{dst_dir}: is a symbolic link ({os.readlink(dst_dir)}); give the real directory to restore into"
+        )
+    if os.path.lexists(dst_dir) and (not os.path.isdir(dst_dir) or os.listdir(dst_dir)):
+        raise ConfigError(f"fetch destination {dst_dir} exists and is not an empty directory; give a new or empty one")
+
+
+@contextlib.contextmanager
+def _destination(dst_dir: str, *ours: str) -> Iterator[None]:
+    """Turn a failure to write under ``ours`` (or a full, read-only or over-quota disk anywhere) into a
+    :class:`DestinationError` naming ``dst_dir``: a restore stops at once instead of blaming every candidate."""
+    try:
+        yield
+    except DestinationError:
+        raise
+    except OSError as e:
+        if isinstance(e, CkptflowError) and not isinstance(e, StorageError):
+            raise
+        name = os.fspath(e.filename) if isinstance(e.filename, (str, bytes, os.PathLike)) else ""
+        name = os.fsdecode(name)
+        if e.errno in DESTINATION_ERRNOS or any(name == d or name.startswith(d + os.sep) for d in ours):
+            raise DestinationError(
+                f"{dst_dir}: cannot write the checkpoint there ({e.strerror or e}); free space or choose another "
+                "destination, then run again (the checkpoint itself was not at fault)"
+            ) from e
+        raise
 
 
 def _download(
@@ -132,10 +186,8 @@ def _download(
         os.makedirs(os.path.dirname(dest), exist_ok=True)
         try:
             if tier.is_local:
-                if progress is None:
-                    shutil.copyfile(url, dest)
-                else:
-                    _copy_reporting(url, dest, progress)
+                with open_regular(url, what=f"tier {tier.name}") as fi, open(dest, "wb") as fo:
+                    copy_fd(fi.fileno(), fo, progress=progress)
             elif loader is not None:
                 assert tier.s3 is not None  # a loader exists only when the tier has S3 (manager above)
                 tier.s3.download(loader, url, dest)
@@ -177,7 +229,7 @@ def _decode(
     os.makedirs(os.path.dirname(dest), exist_ok=True)
     entry = ckpt.manifest.files[name]
     try:
-        with open(src_path, "rb") as f, open(dest, "wb") as out:
+        with open_regular(src_path) as f, open(dest, "wb") as out:
             sink: Any = out if progress is None else _ReportingWriter(out, progress)
             st = get_codec(ckpt.index.codec).decompress(f, sink, threads=threads, name=url)
     except FileNotFoundError:
@@ -196,14 +248,6 @@ def _inside(root: str, name: str) -> str:
     if not os.path.abspath(path).startswith(os.path.abspath(root) + os.sep):
         raise IntegrityError(f"{name!r} resolves outside {root}; refusing", path=path)
     return path
-
-
-def _copy_reporting(src: str, dst: str, progress: Progress) -> None:
-    """``shutil.copyfile`` in blocks, reporting each (used only when someone listens)."""
-    with open(src, "rb") as fi, open(dst, "wb") as fo:
-        while block := fi.read(_COPY_BLOCK):
-            fo.write(block)
-            progress(len(block))
 
 
 class _ReportingWriter:

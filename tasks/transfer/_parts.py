@@ -36,8 +36,9 @@ from ckptflow.tasks.transfer.results import FaultHook, TransferResult, no_fault
 from ckptflow.trainer.errors import CheckpointNotFoundError, CkptflowError, IntegrityError, ManifestError
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.format.checksum import hash_bytes
-from ckptflow.trainer.format.manifest import PLACEMENT, Manifest
+from ckptflow.trainer.format.manifest import MAX_MANIFEST_BYTES, PLACEMENT, Manifest
 from ckptflow.trainer.fsutil import fsync_dir, replace_atomic, write_durable
+from ckptflow.trainer.safeopen import read_small
 
 log = logging.getLogger(__name__)
 
@@ -165,8 +166,7 @@ def _same_manifest(path: str, data: bytes) -> None:
         pass
     finally:
         os.unlink(tmp)
-    with open(path, "rb") as f:
-        have = f.read()
+    have = read_small(path, MAX_MANIFEST_BYTES)
     if hash_bytes(have) != hash_bytes(data):
         raise ManifestError(
             f"{path}: another node staged this step with a different manifest; the nodes disagree "
@@ -206,9 +206,8 @@ def read_reports(warm: Tier, run_id: str, step: int) -> dict[str, dict]:
         if not n.endswith(".json") or n == MANIFEST_COPY:
             continue
         try:
-            with open(os.path.join(pdir, n), encoding="utf-8") as f:
-                out[n[: -len(".json")]] = json.load(f)
-        except (OSError, json.JSONDecodeError):
+            out[n[: -len(".json")]] = json.loads(read_small(os.path.join(pdir, n), MAX_MANIFEST_BYTES))
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError, IntegrityError):
             continue  # being replaced: the next look sees it whole
     return out
 
@@ -227,8 +226,7 @@ class PartsStatus:
 def parts_status(warm: Tier, run_id: str, step: int) -> PartsStatus:
     pdir = parts_dir(warm, run_id, step)
     try:
-        with open(os.path.join(pdir, MANIFEST_COPY), "rb") as f:
-            mbytes = f.read()
+        mbytes = read_small(os.path.join(pdir, MANIFEST_COPY), MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         return PartsStatus(None, None, read_reports(warm, run_id, step), [], {})
     manifest = Manifest.from_json(mbytes, source=os.path.join(pdir, MANIFEST_COPY))

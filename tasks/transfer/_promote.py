@@ -31,10 +31,12 @@ from ckptflow.tasks.storage.tier import StoredCheckpoint, Tier
 from ckptflow.tasks.transfer import _streams as streams
 from ckptflow.tasks.transfer._pool import run_all
 from ckptflow.tasks.transfer.results import FaultHook, TransferResult, no_fault
-from ckptflow.trainer.errors import ConfigError, IntegrityError, ManifestError, StorageError
+from ckptflow.trainer.errors import ConfigError, IntegrityError, ManifestError, StorageError, UntrustedError
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.format.checksum import hash_bytes
+from ckptflow.trainer.format.manifest import MAX_MANIFEST_BYTES
 from ckptflow.trainer.fsutil import fsync_dir, remove_tree, write_durable
+from ckptflow.trainer.safeopen import read_small
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +53,12 @@ def compress(
     t0 = time.perf_counter()
     _require_rename_tier(dst)
     ckpt = src.open_checkpoint(run_id, step)
-    if dst.is_committed(run_id, step):
-        return _already_committed(dst, ckpt, t0)
+    if dst.is_committed(run_id, step) and (done := _already_committed(dst, ckpt, t0)) is not None:
+        return done
     with _locked_tmp(dst, run_id, step) as tmp:
-        if dst.is_committed(run_id, step):  # a promote committed meanwhile
-            remove_tree(tmp)
-            return _already_committed(dst, ckpt, t0)
+        if dst.is_committed(run_id, step) and (done := _already_committed(dst, ckpt, t0)) is not None:
+            remove_tree(tmp)  # a promote committed meanwhile
+            return done
         res, _ = _stage(src, dst, ckpt, tmp, threads, fault or no_fault, durable=True)
     res.seconds = time.perf_counter() - t0
     return res
@@ -82,13 +84,13 @@ def promote(
     fault = fault or no_fault
     _require_rename_tier(dst)
     ckpt = src.open_checkpoint(run_id, step)
-    if dst.is_committed(run_id, step):
-        return _already_committed(dst, ckpt, t0)
+    if dst.is_committed(run_id, step) and (done := _already_committed(dst, ckpt, t0)) is not None:
+        return done
     final = dst.url_for(run_id, step)
     with _locked_tmp(dst, run_id, step) as tmp:
-        if dst.is_committed(run_id, step):  # another promote committed meanwhile
-            remove_tree(tmp)  # the empty tmp our lock re-created
-            return _already_committed(dst, ckpt, t0)
+        if dst.is_committed(run_id, step) and (done := _already_committed(dst, ckpt, t0)) is not None:
+            remove_tree(tmp)  # another promote committed meanwhile: the empty tmp our lock re-created goes
+            return done
         # durable=False: the commit below fsyncs tmp's entries once, after manifest.json
         res, checked = _stage(src, dst, ckpt, tmp, threads, fault, durable=False)
         tv = time.perf_counter()
@@ -238,8 +240,16 @@ def _verify_tmp(
     return index
 
 
-def _already_committed(dst: Tier, ckpt: StoredCheckpoint, t0: float) -> TransferResult:
-    there = dst.open_checkpoint(ckpt.run_id, ckpt.step)
+def _already_committed(dst: Tier, ckpt: StoredCheckpoint, t0: float) -> TransferResult | None:
+    """The no-op result when ``dst`` holds this very checkpoint; None when its copy was damaged and has been
+    set aside (the caller promotes it again)."""
+    try:
+        there = dst.open_checkpoint(ckpt.run_id, ckpt.step)
+    except UntrustedError:
+        raise  # not damage: the key or the version is what to fix
+    except IntegrityError as e:
+        dst.set_aside(ckpt.run_id, ckpt.step, [str(e)], found_by="promote")
+        return None
     if hash_bytes(there.manifest_bytes) != hash_bytes(ckpt.manifest_bytes):
         raise ManifestError(
             f"{there.uri}: already committed with a different manifest than {ckpt.uri}; a "
@@ -297,5 +307,4 @@ def _workers(threads: int | None, n: int) -> int:
 
 
 def _read(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
+    return read_small(path, MAX_MANIFEST_BYTES)

@@ -6,8 +6,10 @@ hot, then all of warm": if hot's newest copy is damaged, the same step on warm i
 better answer than an older step on hot — less training is lost.
 
 Each candidate is read under a lease (prune leaves it alone meanwhile) and fetched
-with every byte checked; a damaged, missing or quarantined one is skipped and named
-in the result, never loaded.
+with every byte checked (and its ``.metadata`` parsed, as ``ckptflow verify`` does); a
+damaged, missing or quarantined one is skipped and named in the result, never loaded.
+A failure to write the destination (``DestinationError``: a full disk, a symlinked
+``dst_dir``) is not a candidate's: the restore stops there.
 
 ``progress`` (optional) hears the bytes of each fetch as it happens; when a candidate
 is skipped half-way, the bytes it had reported are taken back with one negative call,
@@ -26,7 +28,13 @@ from ckptflow.tasks.storage.leases import acquire_lease
 from ckptflow.tasks.storage.tier import Tier
 from ckptflow.tasks.transfer._fetch import fetch
 from ckptflow.tasks.transfer.results import RestoreResult, Skipped
-from ckptflow.trainer.errors import CheckpointNotFoundError, CkptflowError, CodecError, IntegrityError
+from ckptflow.trainer.errors import (
+    CheckpointNotFoundError,
+    CkptflowError,
+    CodecError,
+    DestinationError,
+    IntegrityError,
+)
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -72,6 +80,8 @@ def restore(
                 continue
             with _lease(tier, run_id, s, holder, lease_ttl_s):
                 got = fetch(tier, run_id, s, dst_dir, threads=threads, progress=counted)
+        except DestinationError:
+            raise  # where it is written failed (a full disk, a symlink): no other candidate would fare better
         except (IntegrityError, CodecError, CheckpointNotFoundError, OSError) as e:
             if counted is not None:
                 counted.take_back()

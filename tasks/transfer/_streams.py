@@ -26,6 +26,7 @@ from ckptflow.tasks.storage.tier import StoredCheckpoint, Tier
 from ckptflow.trainer.errors import CkptflowError, CodecError, IntegrityError
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.format.checksum import hash_file, new_hasher
+from ckptflow.trainer.safeopen import open_regular
 from ckptflow.trainer.verify import check_file
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ READ_BLOCK = 8 << 20
 def open_stored(tier: Tier, url: str) -> BinaryIO:
     """A stored object for streaming reads (plain ``open`` on local tiers: no fsspec layer)."""
     if tier.is_local:
-        return open(url, "rb")
+        return open_regular(url, what=f"tier {tier.name}")
     return tier.fs.open(url, "rb", block_size=READ_BLOCK)
 
 

@@ -86,7 +86,7 @@ def test_credentials_in_the_file_are_refused_with_a_hint(tmp_path):
         ('[hot]\nurl = "h"\n[cold]\nurl = "s3://b/p"\nmultipart_chunksize_mb = 1\n', "cold.multipart_chunksize_mb=1"),
         ('[hot]\nurl = "s3://b/hot"\n', "hot.url"),
         ('[hot]\nurl = "h"\n[hot.retention]\nkeep_last = 0\n', "retention.keep_last=0"),
-        ('[hot]\nurl = "h"\n[warm]\nurl = "h"\n', "share one url"),
+        ('[hot]\nurl = "h"\n[warm]\nurl = "h"\n', "are the same place"),
         ('[warm]\nurl = "w"\n', "missing section [hot]"),
         ('[hot\nurl = "h"\n', "not valid TOML"),
         ('[hot]\nurl = "h"\n[prefect]\nforkserver = "yes"\n', "prefect.forkserver"),

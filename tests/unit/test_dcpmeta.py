@@ -107,3 +107,45 @@ def test_the_chaos_audit_counts_the_restricted_reader_apart_from_a_plain_unpickl
     with NoUnpickle() as audit:
         pickle.loads(data)
     assert ("torch.distributed.checkpoint.metadata", "Metadata") in audit.events
+
+
+def _large_metadata(tensors: int, ranks: int) -> bytes:
+    """DCP's own classes as a model of ``tensors`` parameters sharded over ``ranks`` ranks writes them."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    sdm, sd = {}, {}
+    for t in range(tensors):
+        fqn = f"model.layers.{t // 9}.w{t % 9}"
+        chunks = []
+        for r in range(ranks):
+            off, size = torch.Size([r * 64, 0]), torch.Size([64, 4096])
+            chunks.append(ChunkStorageMetadata(offsets=off, sizes=size))
+            sd[MetadataIndex(fqn, off)] = _StorageInfo(f"__{r}_0.distcp", t * 4096, 4096)
+        sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=torch.bfloat16), torch.Size([64 * ranks, 4096]), chunks)
+    return pickle.dumps(Metadata(state_dict_metadata=sdm, storage_data=sd))
+
+
+def test_a_pickle_bomb_is_refused_within_the_parse_bounds_and_a_large_model_parses():
+    """The allow-list lets ``str`` through; asked to print a list nested in itself 60 times (a 565-byte
+    pickle), it would run for ever. The bounded parse stops it at its CPU cap and names it. A model with
+    64,000 sharded chunks (a 9 MB ``.metadata``) parses within the same bounds."""
+    import time
+
+    from tests.helpers import pickle_bomb
+
+    bomb = pickle_bomb()
+    t0 = time.perf_counter()
+    with pytest.raises(IntegrityError, match="pickle bomb"):
+        loads_dcp_metadata(bomb, source="bomb/.metadata")
+    assert time.perf_counter() - t0 < 15  # the cap is 1 s of CPU; wall time allows a busy machine
+
+    data = _large_metadata(1000, 64)
+    md = loads_dcp_metadata(data, source="large/.metadata")
+    assert len(md.storage_data) == 64_000 and len(md.state_dict_metadata) == 1000

@@ -37,6 +37,7 @@ from ckptflow.trainer.format import layout
 from ckptflow.trainer.format.checksum import CHUNK, block_digest, new_hasher
 from ckptflow.trainer.format.dcpmeta import MAX_METADATA_BYTES, loads_dcp_metadata
 from ckptflow.trainer.format.manifest import FileEntry, Manifest
+from ckptflow.trainer.safeopen import open_regular
 from ckptflow.trainer.verify import resolve_member
 
 __all__ = ["THREADS", "VerifiedReader", "open_reader"]
@@ -306,7 +307,7 @@ class VerifiedReader(FileSystemReader):
         if limit is not None and entry.size > limit:
             raise IntegrityError(f"{path}: {entry.size} bytes, more than any such file holds", path=path)
         try:
-            with open(path, "rb", buffering=0) as f:
+            with open_regular(path, buffering=0) as f:
                 size = os.fstat(f.fileno()).st_size
                 if size != entry.size:
                     raise IntegrityError(

@@ -12,6 +12,8 @@ from typing import BinaryIO
 
 import xxhash
 
+from ckptflow.trainer.safeopen import open_regular
+
 __all__ = [
     "ALGORITHM",
     "BLOCK_ALGORITHM",
@@ -68,7 +70,7 @@ def hash_stream(f: BinaryIO, chunk: int = CHUNK) -> tuple[str, int]:
 
 def hash_file(path: str | os.PathLike) -> tuple[str, int]:
     """Digest and size of a local file, read in chunks (never whole in memory)."""
-    with open(path, "rb", buffering=0) as f:
+    with open_regular(path, buffering=0) as f:
         return hash_stream(f)
 
 
@@ -135,7 +137,7 @@ def digest_file(path: str | os.PathLike) -> FileDigest:
     d = FileDigest(block_size_for(os.path.getsize(path)))
     buf = bytearray(CHUNK)
     view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
+    with open_regular(path, buffering=0) as f:
         while got := f.readinto(view):
             d.update(view[:got])
     return d

@@ -19,10 +19,12 @@ import logging
 import os
 
 from ckptflow.trainer import faults
+from ckptflow.trainer.errors import IntegrityError
 from ckptflow.trainer.format import layout
-from ckptflow.trainer.format.atomicity import RENAME
+from ckptflow.trainer.format.atomicity import RENAME, retire_records
 from ckptflow.trainer.format.manifest import Manifest
 from ckptflow.trainer.fsutil import remove_tree, replace_atomic, write_durable
+from ckptflow.trainer.safeopen import read_small
 
 __all__ = [
     "clean_stale_tmp",
@@ -31,6 +33,8 @@ __all__ = [
     "is_quarantined",
     "read_latest",
     "rename_then_latest",
+    "set_aside",
+    "set_aside_steps",
     "write_latest",
 ]
 
@@ -53,6 +57,11 @@ def rename_then_latest(run_path: str, step: int) -> None:
     """Steps 4-5 above, for a ``.tmp`` dir holding its manifest: the rename (the commit point), then ``latest``.
     Also a node's commit point on node-local roots (``trainer/nodes/twolevel.py``, phase 8)."""
     tmp = RENAME.staging_url(run_path, step)
+    if RENAME.is_committed(run_path, step) and is_quarantined(run_path, step):
+        # The lifecycle found the committed copy bad; a new save of the step replaces it (set aside, kept).
+        set_aside(run_path, step, ["quarantined by the lifecycle's verify stage"], found_by="commit")
+    if not RENAME.is_committed(run_path, step):
+        retire_records(run_path, step)  # records of an earlier copy of this step, no longer committed
     if RENAME.is_committed(run_path, step):
         # A re-run of a step an earlier attempt committed (resumed from an older one): the committed dir is
         # immutable (a lifecycle flow may be reading it), so drop the duplicate.
@@ -65,8 +74,34 @@ def rename_then_latest(run_path: str, step: int) -> None:
     else:
         RENAME.commit(run_path, step)  # <- the commit point
     faults.maybe_crash("after_rename", step)
-    write_latest(run_path, step)
+    newest = max(RENAME.committed_steps(run_path), default=step)
+    if step >= newest:  # `latest` names the newest committed step: an older one committed now (adopted) leaves it
+        write_latest(run_path, step)
+    else:
+        log.info("%s committed; 'latest' keeps naming the newer step %d", layout.step_name(step), newest)
     faults.maybe_crash("after_latest", step)
+
+
+def set_aside(run_path: str, step: int, reasons: list[str], *, found_by: str) -> str | None:
+    """Damaged means no longer committed (``atomicity``): move step ``step`` of this local run under
+    ``_damaged/``, with its stage records and a note of ``reasons``; returns where (None: not committed)."""
+    where = RENAME.set_aside(run_path, step, {"found_by": found_by, "reasons": reasons})
+    if where is not None:
+        log.warning(
+            "%s is damaged (%s); set aside as %s: no longer committed, kept for inspection",
+            layout.join(run_path, layout.step_name(step)),
+            "; ".join(reasons)[:500],
+            where,
+        )
+    return where
+
+
+def set_aside_steps(run_path: str) -> list[str]:
+    """What ``_damaged/`` holds for this local run (names; [] if nothing was ever set aside)."""
+    try:
+        return sorted(n for n in os.listdir(os.path.join(run_path, layout.DAMAGED_DIR)) if layout.parse_set_aside(n))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 def write_latest(run_path: str, step: int) -> None:
@@ -76,9 +111,8 @@ def write_latest(run_path: str, step: int) -> None:
 def read_latest(run_path: str) -> int | None:
     """The step ``latest`` names, or None if absent or unreadable (never trusted blindly)."""
     try:
-        with open(os.path.join(run_path, layout.LATEST), encoding="utf-8") as f:
-            return layout.parse_step(f.read(64).strip())
-    except (OSError, UnicodeDecodeError):
+        return layout.parse_step(read_small(os.path.join(run_path, layout.LATEST), 64).decode().strip())
+    except (OSError, UnicodeDecodeError, IntegrityError):  # missing, a FIFO, a device, garbage
         return None
 
 

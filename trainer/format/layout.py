@@ -14,6 +14,7 @@ Every tier stores a run the same way::
       _lifecycle/step_000000500/   write-once stage records (verified.json, …)
       _pins/step_000000500         pinned: prune never deletes it
       _leases/<step>.<id>.json     a reader (restore, drill) holds this checkpoint
+      _damaged/step_000000500.<t>/ a checkpoint found damaged, set aside (no longer committed), kept to inspect
       metrics.jsonl                the reference job's per-step loss and lr
 
 Paths are plain "/"-joined strings, so ``s3://bucket/prefix`` keeps its ``//`` and the same helpers serve
@@ -28,6 +29,7 @@ from ckptflow.trainer.errors import ConfigError, UnsafePathError
 
 __all__ = [
     "COMMIT_MARKER",
+    "DAMAGED_DIR",
     "DCP_METADATA",
     "EXPECTATIONS",
     "HEARTBEAT",
@@ -42,6 +44,7 @@ __all__ = [
     "PINS_DIR",
     "QUARANTINE_RECORD",
     "SCOPE_DIR",
+    "SET_ASIDE_NOTE",
     "STATS",
     "STEP_DIGITS",
     "STEP_PREFIX",
@@ -54,8 +57,10 @@ __all__ = [
     "parse_step",
     "parse_tmp_step",
     "pin_path",
+    "parse_set_aside",
     "quarantine_record",
     "run_dir",
+    "set_aside_name",
     "stage_record",
     "step_dir",
     "step_name",
@@ -89,10 +94,16 @@ PARTS_DIR = "parts"
 """Beside a step's stage records on warm: each node's report of its staged part (node-local roots)."""
 SCOPE_DIR = "_scope"
 """In a run dir: the tokens ranks leave to find out which of them share the hot root."""
+DAMAGED_DIR = "_damaged"
+"""In a run dir: checkpoints found damaged, set aside (``atomicity``: damaged means no longer committed)."""
+SET_ASIDE_NOTE = "set_aside.json"
+"""In a set-aside checkpoint's folder (or, on an object store, beside it): who set it aside, when, and why."""
 
 _STEP_RE = re.compile(rf"^{STEP_PREFIX}(\d{{{STEP_DIGITS}}})$")
 _TMP_RE = re.compile(rf"^{STEP_PREFIX}(\d{{{STEP_DIGITS}}}){re.escape(TMP_SUFFIX)}$")
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_RESERVED_RUN_IDS = frozenset({LATEST, METRICS, "interval.jsonl"})
+_RESERVED_RUN_RE = re.compile(rf"^{STEP_PREFIX}\d", re.IGNORECASE)
 
 
 def join(*parts: str) -> str:
@@ -106,11 +117,18 @@ def join(*parts: str) -> str:
 
 
 def check_run_id(run_id: str) -> str:
-    """A run id becomes a folder and an S3 prefix: keep it to a safe alphabet."""
+    """A run id becomes a folder and an S3 prefix: keep it to a safe alphabet, and off the names a run's own
+    folder holds (``latest``, ``step_N``…): a run called ``latest`` makes its tier root look like a run folder,
+    one called ``step_000000001`` like a damaged step."""
     if not isinstance(run_id, str) or not _RUN_ID_RE.match(run_id) or ".." in run_id:
         raise ConfigError(
             f"run_id {run_id!r} is not allowed: use 1-128 characters from "
             "[A-Za-z0-9._-], starting with a letter or digit, without '..'"
+        )
+    if run_id.lower() in _RESERVED_RUN_IDS or _RESERVED_RUN_RE.match(run_id):
+        raise ConfigError(
+            f"run_id {run_id!r} is not allowed: it is a name ckptflow uses inside a run's folder "
+            f"({', '.join(sorted(_RESERVED_RUN_IDS))}, step_<digits>); choose another run id"
         )
     return run_id
 
@@ -134,6 +152,18 @@ def parse_step(name: str) -> int | None:
 def parse_tmp_step(name: str) -> int | None:
     m = _TMP_RE.match(name.rstrip("/").rsplit("/", 1)[-1])
     return int(m.group(1)) if m else None
+
+
+def set_aside_name(step: int, stamp: str) -> str:
+    """A set-aside checkpoint's name under ``_damaged/``: the step's name, a dot, and when (UTC, unique)."""
+    return f"{step_name(step)}.{stamp}"
+
+
+def parse_set_aside(name: str) -> int | None:
+    """The step of a name under ``_damaged/`` (a set-aside checkpoint or its note), else None."""
+    base = name.rstrip("/").rsplit("/", 1)[-1]
+    head, dot, _ = base.partition(".")
+    return parse_step(head) if dot else None
 
 
 def run_dir(root: str, run_id: str) -> str:

@@ -20,9 +20,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptflow.trainer.errors import ConfigError, IntegrityError, ManifestError, UnsafePathError
+from ckptflow.trainer.errors import ConfigError, IntegrityError, ManifestError, UnsafePathError, UntrustedError
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.format.checksum import ALGORITHM, BLOCK_HEX
+from ckptflow.trainer.safeopen import read_small
 
 __all__ = [
     "ADOPTED",
@@ -140,7 +141,7 @@ class Manifest:
                 path=source,
             )
         if d.get("format_version") != FORMAT_VERSION:
-            raise ManifestError(
+            raise UntrustedError(
                 f"{source}: manifest format_version {d.get('format_version')!r} "
                 f"is not supported by this ckptflow (reads {FORMAT_VERSION}); "
                 "upgrade ckptflow",
@@ -225,6 +226,12 @@ def signing_key() -> bytes | None:
     a Prefect Secret block instead, which the flows export as that variable (``flows/secrets.py``); the trainer
     never imports Prefect. A block named with no key exported fails closed rather than skip authentication."""
     k = os.environ.get(KEY_ENV)
+    if k is not None and not k.strip():
+        # An empty value must not read as "no key": a stripped signature plus an edit would then verify.
+        raise ConfigError(
+            f"{KEY_ENV} is set but empty: give the signing key, or unset the variable to accept unsigned "
+            "checkpoints; refusing to guess which"
+        )
     if not k and os.environ.get(KEY_BLOCK_ENV):
         raise ConfigError(
             f"{KEY_BLOCK_ENV}={os.environ[KEY_BLOCK_ENV]!r} names a Prefect Secret block, which only "
@@ -246,7 +253,7 @@ def _authenticate(d: dict[str, Any], source: str, key: bytes | None) -> None:
         return  # signing not configured: checksums still protect against corruption
     sig = d.get("signature")
     if not isinstance(sig, dict) or sig.get("alg") != "hmac-sha256":
-        raise ManifestError(
+        raise UntrustedError(
             f"{source}: manifest is not signed but a signing key is configured "
             f"({KEY_ENV}); refusing it. Restore a signed copy from another tier, or "
             f"unset {KEY_ENV} to accept unsigned checkpoints",
@@ -254,7 +261,7 @@ def _authenticate(d: dict[str, Any], source: str, key: bytes | None) -> None:
         )
     body = {k: v for k, v in d.items() if k != "signature"}
     if not hmac.compare_digest(str(sig.get("value", "")), _sign(body, key)):
-        raise ManifestError(
+        raise UntrustedError(
             f"{source}: manifest signature does not match (tampered, or signed with another key); refusing it",
             path=source,
         )
@@ -264,8 +271,7 @@ def read_manifest(ckpt_dir: str, *, key: bytes | None = None) -> Manifest:
     """Read ``<ckpt_dir>/manifest.json`` from a local directory."""
     path = os.path.join(ckpt_dir, layout.MANIFEST)
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_MANIFEST_BYTES + 1)
+        data = read_small(path, MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         raise ManifestError(
             f"{path}: manifest is missing; the checkpoint was never committed or was damaged, restore an older one",

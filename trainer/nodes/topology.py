@@ -20,6 +20,7 @@ from typing import Any
 from ckptflow.trainer.errors import ConfigError
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.fsutil import replace_atomic
+from ckptflow.trainer.safeopen import read_small
 
 __all__ = ["SCOPES", "Topology", "discover", "node_id", "single"]
 
@@ -95,15 +96,14 @@ def node_id(root: str) -> str:
     """This disk's node id: read from ``<root>/_node.json``, created the first time."""
     path = os.path.join(root, layout.NODE_ID)
     try:
-        with open(path, encoding="utf-8") as f:
-            return str(json.load(f)["node"])
-    except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError):
+        return str(json.loads(read_small(path, 4096))["node"])
+    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
         pass
     os.makedirs(root, exist_ok=True)
     nid = f"{socket.gethostname().split('.')[0]}-{uuid.uuid4().hex[:8]}"
     replace_atomic(path, (json.dumps({"node": nid, "created_at": time.time()}) + "\n").encode())
-    with open(path, encoding="utf-8") as f:  # a concurrent creator may have won: theirs counts
-        return str(json.load(f)["node"])
+    # a concurrent creator may have won: theirs counts
+    return str(json.loads(read_small(path, 4096))["node"])
 
 
 def discover(root: str, run_path: str, *, rank: int, world: int, group: Any, requested: str = "auto") -> Topology:

@@ -29,8 +29,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ckptflow.trainer.errors import IntegrityError
 from ckptflow.trainer.format.checksum import new_hasher
 from ckptflow.trainer.fsutil import fsync_dir
+from ckptflow.trainer.safeopen import open_regular
 
 FIRST_CHUNK = 1 << 20
 """The chunk of a plan's first step: small enough that a slow link's first wait stays short."""
@@ -165,8 +167,8 @@ class _Sender:
         self.t, self.problems = t, problems
         self.f = None
         try:
-            self.f = open(source(t.name), "rb")  # noqa: SIM115 - closed in close(), after the last chunk
-        except OSError as e:
+            self.f = open_regular(source(t.name))  # closed in close(), after the last chunk
+        except (OSError, IntegrityError) as e:
             problems.append(f"rank {t.src} cannot read {t.name} to send it: {e}")
 
     def fill(self, view: torch.Tensor) -> None:

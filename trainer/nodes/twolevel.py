@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from ckptflow.trainer import faults
 from ckptflow.trainer.distenv import gather
-from ckptflow.trainer.errors import CheckpointNotFoundError, CkptflowError, IntegrityError
+from ckptflow.trainer.errors import CheckpointNotFoundError, CkptflowError, IntegrityError, UntrustedError
 from ckptflow.trainer.format import commit, layout
 from ckptflow.trainer.format.atomicity import RENAME
 from ckptflow.trainer.format.checksum import hash_bytes
@@ -53,6 +53,7 @@ from ckptflow.trainer.fsutil import fsync_dir, remove_tree, write_durable
 from ckptflow.trainer.nodes import transport
 from ckptflow.trainer.nodes.topology import Topology
 from ckptflow.trainer.nodes.transport import Transfer
+from ckptflow.trainer.safeopen import read_small
 from ckptflow.trainer.verify import check_file, verify_checkpoint
 
 __all__ = [
@@ -252,6 +253,11 @@ class NodeResume:
     skipped: list[tuple[str, str]] = field(default_factory=list)
     """(step, why) for each newer step passed over."""
     latest_was: int | None = None
+    damaged: list[tuple[int, str]] = field(default_factory=list)
+    """(step, why) for each step passed over as damaged, incomplete or quarantined (not for a manifest a node
+    cannot trust: another key, a newer format): what each node sets aside once the resume goes on."""
+    set_aside: list[str] = field(default_factory=list)
+    """Nodes whose run holds checkpoints set aside earlier (``_damaged/``)."""
 
 
 def _holdings(run_path: str, key: bytes | None) -> dict[int, dict[str, Any]]:
@@ -264,11 +270,11 @@ def _holdings(run_path: str, key: bytes | None) -> dict[int, dict[str, Any]]:
             "present": [],
             "missing": [],
             "problem": None,
+            "untrusted": False,
             "quarantined": commit.is_quarantined(run_path, s),
         }
         try:
-            with open(os.path.join(d, layout.MANIFEST), "rb") as f:
-                data = f.read(MAX_MANIFEST_BYTES + 1)
+            data = read_small(os.path.join(d, layout.MANIFEST), MAX_MANIFEST_BYTES)
             m = Manifest.from_json(data, source=os.path.join(d, layout.MANIFEST), key=key)
             if m.step != s:
                 raise IntegrityError(f"{d}: its manifest is for step {m.step}")
@@ -279,22 +285,30 @@ def _holdings(run_path: str, key: bytes | None) -> dict[int, dict[str, Any]]:
                 rec["present" if ok else "missing"].append(name)
         except (OSError, CkptflowError) as e:
             rec["problem"] = str(e)
+            rec["untrusted"] = isinstance(e, UntrustedError)
         out[s] = rec
     return out
 
 
 def _choose(
     topo: Topology, nodes: list[dict[int, dict[str, Any]]], exclude: set[tuple[int, str]]
-) -> tuple[int | None, list[tuple[str, str]]]:
-    """The newest step for which every file is held by some node (``exclude``: copies found
-    bad); the same answer on every rank, since every rank has the same ``nodes``."""
-    skipped = []
+) -> tuple[int | None, list[tuple[str, str]], list[tuple[int, str]]]:
+    """The newest step for which every file is held by some node (``exclude``: copies found bad), the steps
+    passed over, and those of them that are damage (:attr:`NodeResume.damaged`); the same answer on every
+    rank, since every rank has the same ``nodes``."""
+    skipped: list[tuple[str, str]] = []
+    damaged: list[tuple[int, str]] = []
+
+    def skip(s: int, why: str, damage: bool = True) -> None:
+        skipped.append((layout.step_name(s), why))
+        if damage:
+            damaged.append((s, why))
+
     steps = sorted({s for n in nodes for s in n}, reverse=True)
     for s in steps:
         held = [(i, n[s]) for i, n in enumerate(nodes) if s in n]
-        name = layout.step_name(s)
         if any(r["quarantined"] for _, r in held):
-            skipped.append((name, "quarantined by the lifecycle's verify stage"))
+            skip(s, "quarantined by the lifecycle's verify stage")
             continue
         digests = {r["digest"] for _, r in held if r["digest"] is not None}
         if len(digests) != 1:
@@ -302,17 +316,17 @@ def _choose(
                 "; ".join(f"node {topo.node_ids[i]}: {r['problem']}" for i, r in held if r["problem"])
                 or "the nodes hold different manifests for it"
             )
-            skipped.append((name, why))
+            skip(s, why, damage=not any(r.get("untrusted") for _, r in held))
             continue
         need = {f for _, r in held if r["digest"] for f in (*r["present"], *r["missing"])}
         have = {f for i, r in held if r["digest"] for f in r["present"] if (i, f) not in exclude}
         lost = sorted(need - have)
         if lost:
             more = f" (+{len(lost) - 5} more)" if len(lost) > 5 else ""
-            skipped.append((name, f"no live node holds {', '.join(lost[:5])}{more}"))
+            skip(s, f"no live node holds {', '.join(lost[:5])}{more}")
             continue
-        return s, skipped
-    return None, skipped
+        return s, skipped, damaged
+    return None, skipped, damaged
 
 
 def resume_point(
@@ -329,12 +343,17 @@ def resume_point(
     called once ``.metadata`` is local and verified."""
     exclude: set[tuple[int, str]] = set()
     for _attempt in range(4):  # each retry drops at least one bad copy; 4 is plenty
-        mine = (_holdings(run_path, key), commit.read_latest(run_path)) if topo.is_leader else None
+        mine = (
+            (_holdings(run_path, key), commit.read_latest(run_path), bool(commit.set_aside_steps(run_path)))
+            if topo.is_leader
+            else None
+        )
         facts = gather(mine, group)
         nodes = [facts[d[0]][0] for d in topo.domains]
         latest = facts[topo.leader][1]
-        step, skipped = _choose(topo, nodes, exclude)
-        out = NodeResume(step, skipped=skipped, latest_was=latest)
+        step, skipped, damaged = _choose(topo, nodes, exclude)
+        out = NodeResume(step, skipped=skipped, latest_was=latest, damaged=damaged)
+        out.set_aside = [topo.node_ids[i] for i, d in enumerate(topo.domains) if facts[d[0]][2]]
         if step is None:
             return out
         d = layout.join(run_path, layout.step_name(step))
@@ -344,8 +363,7 @@ def resume_point(
         src = next(i for i, n in enumerate(nodes) if step in n and n[step]["digest"])
         box: list[Any] = [None]
         if topo.rank == topo.domains[src][0]:
-            with open(os.path.join(d, layout.MANIFEST), "rb") as f:
-                box[0] = f.read(MAX_MANIFEST_BYTES + 1)
+            box[0] = read_small(os.path.join(d, layout.MANIFEST), MAX_MANIFEST_BYTES)
         dist.broadcast_object_list(box, src=topo.domains[src][0], group=group)
         manifest = Manifest.from_json(box[0], source=f"{topo.node_ids[src]}:{d}/{layout.MANIFEST}", key=key)
         out.manifest = manifest
