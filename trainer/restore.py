@@ -146,9 +146,9 @@ def _resume_nodes(r: Resume, state: TrainState, load: Callable[[str, Manifest], 
         log.warning("resume despite mismatch (allow_mismatch): %s", m)
     load(rep.path, rep.manifest)
     if topo.is_leader:  # each node sets aside its own copy of what the agreed resume passed over
-        for step, why in rep.damaged:
-            if step > rep.step:
-                commit.set_aside(r.run_path, step, [why], found_by=f"resume on node {topo.node_id}")
+        for bad, why in rep.damaged:
+            if bad > rep.step:
+                commit.set_aside(r.run_path, bad, [why], found_by=f"resume on node {topo.node_id}")
     if topo.is_leader and rep.latest_was != rep.step:
         log.warning("resume: node %s's 'latest' named %s; repaired to step %d", topo.node_id, rep.latest_was, rep.step)
         commit.write_latest(r.run_path, rep.step)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import io
 import os
 import stat
 from collections.abc import Callable
@@ -150,9 +151,10 @@ def open_no_links(path: str) -> int:
 
 def open_regular(
     path: str | os.PathLike, *, nofollow: bool = False, buffering: int = -1, what: str = "a checkpoint"
-) -> BinaryIO:
-    """:func:`open_regular_fd` as a binary file object (``buffering`` as for ``open``)."""
-    return os.fdopen(open_regular_fd(path, nofollow=nofollow, what=what), "rb", buffering=buffering)
+) -> io.BufferedReader | io.FileIO:
+    """:func:`open_regular_fd` as a binary file object (``buffering`` as for ``open``: 0 unbuffered)."""
+    raw = io.FileIO(open_regular_fd(path, nofollow=nofollow, what=what), "rb", closefd=True)
+    return raw if buffering == 0 else io.BufferedReader(raw, buffering if buffering > 0 else io.DEFAULT_BUFFER_SIZE)
 
 
 def read_small(path: str | os.PathLike, limit: int, *, nofollow: bool = False, what: str = "a checkpoint") -> bytes:
