@@ -33,6 +33,7 @@ from ckptflow.tasks.expectations import ExpectationReport
 from ckptflow.trainer import faults
 from ckptflow.trainer.errors import CheckpointNotFoundError
 from ckptflow.trainer.format import layout
+from ckptflow.trainer.format.commit import set_aside_steps
 from ckptflow.trainer.verify import VerifyResult, verify_checkpoint
 
 SANITY_MODULE = "ckptflow.tasks.sanity"
@@ -189,6 +190,12 @@ def verify(
     t0 = time.perf_counter()
     ckpt = ckpt_dir or ref.hot_dir
     if not os.path.isdir(ckpt):
+        aside = [n for n in set_aside_steps(ref.run_path) if layout.parse_set_aside(n) == step]
+        if aside and ckpt_dir is None:
+            raise CheckpointNotFoundError(
+                f"{ckpt} was found damaged and set aside ({os.path.join(ref.run_path, layout.DAMAGED_DIR, aside[-1])}"
+                "): no longer committed, nothing to verify; a new save of the step starts its own lifecycle"
+            )
         # Not a bad checkpoint but no checkpoint: a stale event, or pruned before its
         # lifecycle ran. Quarantining a name would be misleading; fail loudly instead.
         raise CheckpointNotFoundError(

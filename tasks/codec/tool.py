@@ -197,7 +197,7 @@ def _check_against(src_dir: str, manifest: Manifest, codec: str) -> None:
             problem = check_file(src_dir, name, e.size, e.checksum)
         if problem is not None:
             raise IntegrityError(
-                f"{problem}; refusing to compress a damaged checkpoint (restore this step from another tier)",
+                f"{problem}; refusing to parse or compress a damaged checkpoint (restore this step from another tier)",
                 path=problem.path,
             )
     if codec == "bytegroup" and layout.DCP_METADATA not in manifest.files:

@@ -6,10 +6,12 @@ from __future__ import annotations
 import filecmp
 import json
 import os
+import pickle
 import shutil
 
 import boto3
 import pytest
+from torch.distributed.checkpoint.metadata import Metadata
 
 from ckptflow.tasks.config import TierConfig
 from ckptflow.tasks.storage import Tier
@@ -217,7 +219,8 @@ def test_big_files_go_multipart_and_round_trip(s3_endpoint, s3_bucket, tmp_path)
     run = tmp_path / "hot" / "big"
     ck = run / layout.step_name(1)
     ck.mkdir(parents=True)
-    (ck / layout.DCP_METADATA).write_bytes(b"not unpickled by archive or fetch")
+    # a DCP .metadata of no tensors: fetch parses it as `ckptflow verify` does (archive never does)
+    (ck / layout.DCP_METADATA).write_bytes(pickle.dumps(Metadata(state_dict_metadata={})))
     (ck / "__0_0.distcp").write_bytes(os.urandom(12 << 20))
     files = {n: FileEntry(*reversed(hash_file(str(ck / n)))) for n in os.listdir(ck)}
     (ck / layout.MANIFEST).write_bytes(Manifest(run_id="big", step=1, world_size=1, files=files).to_json())
