@@ -88,7 +88,7 @@ def load(path: str, manifest: Any, target: dict[str, torch.Tensor], threads: int
         reader.close()
         reader.unmap()
     if failed is not None:
-        raise RuntimeError(failed)
+        raise RuntimeError(failed[0])
 
 
 def main(argv: list[str] | None = None) -> int:

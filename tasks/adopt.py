@@ -84,6 +84,8 @@ class SourceFile:
     size: int
     mtime_ns: int
     mode: int
+    uid: int
+    gid: int
 
     def open(self) -> int:
         """A descriptor of this very file: opened without following any link (:func:`open_no_links`), and the
@@ -194,9 +196,18 @@ def _source_files(path: str) -> dict[str, SourceFile]:
     """Every file under ``path``, by its "/"-separated name inside it. A symlinked file counts as the file it
     leads to (the Hugging Face cache and deduplicating tools link into a blob store), resolved once here; a
     FIFO, socket or device, a dangling link, a symlinked folder, or a link to a file of another owner that
-    others may not read is refused, naming it: a checkpoint is never adopted without one of its files."""
+    others may not read is refused, naming it: a checkpoint is never adopted without one of its files. The
+    folder named may itself be a link: then the folder it leads to must be its owner's, or open to anyone."""
+    owner = os.lstat(path).st_uid  # whoever controls what was named: the folder, or the link to it
+    root = os.path.realpath(path)
+    st = os.stat(root)
+    if root != path and st.st_uid != owner and (st.st_mode & 0o005) != 0o005:
+        raise ConfigError(
+            f"{path}: leads to {root}, owned by uid {st.st_uid} and closed to others, while what was named belongs "
+            f"to uid {owner}; refusing to copy it into a checkpoint"
+        )
     files: dict[str, SourceFile] = {}
-    for d, dirs, names in os.walk(path):
+    for d, dirs, names in os.walk(root):
         dirs.sort()  # one order, every time: the copy goes file by file in it
         for n in dirs:
             full = os.path.join(d, n)
@@ -207,12 +218,12 @@ def _source_files(path: str) -> dict[str, SourceFile]:
                 )
         for n in sorted(names):
             full = os.path.join(d, n)
-            name = os.path.relpath(full, path).replace(os.sep, "/")
+            name = os.path.relpath(full, root).replace(os.sep, "/")
             try:
                 layout.check_member_name(name)
             except IntegrityError as e:
                 raise ConfigError(f"{full}: its name cannot be kept in a checkpoint ({e})") from None
-            files[name] = source_file(full)
+            files[name] = source_file(full, owner)
     if layout.MANIFEST in files:
         raise ConfigError(
             f"{path} holds a {layout.MANIFEST}: it is a ckptflow checkpoint already, not one to adopt; "
@@ -221,32 +232,42 @@ def _source_files(path: str) -> dict[str, SourceFile]:
     return files
 
 
-def source_file(full: str) -> SourceFile:
-    """One file of a source, resolved and looked at (see :func:`_source_files` for what is refused)."""
-    link = os.lstat(full)
-    real = os.path.realpath(full)
+def source_file(full: str, owner: int) -> SourceFile:
+    """One file of a source, resolved and looked at (see :func:`_source_files` for what is refused). ``owner``:
+    the uid of whoever controls the source (the owner of the folder or link that was named): a file reached
+    through a link must be theirs too, or readable by anyone, else copying it would hand it over."""
     try:
+        link = os.lstat(full)
+        real = os.path.realpath(full)
         looked = os.stat(real)
-        if not stat.S_ISREG(looked.st_mode):  # never opened: a device's open alone can act (a tape rewinds)
-            raise ConfigError(f"{full}: is {file_kind(looked.st_mode)}; a checkpoint holds regular files only")
+    except FileNotFoundError:
+        if os.path.islink(full):
+            raise ConfigError(
+                f"{full}: is a dangling symlink (to {os.readlink(full)}); the file it names is gone"
+            ) from None
+        raise NotFinished(f"{full} vanished while the source was looked at: still being written") from None
+    if not stat.S_ISREG(looked.st_mode):  # never opened: a device's open alone can act (a tape rewinds)
+        raise ConfigError(f"{full}: is {file_kind(looked.st_mode)}; a checkpoint holds regular files only")
+    try:
         fd = open_no_links(real)
     except FileNotFoundError:
-        raise ConfigError(
-            f"{full}: is a dangling symlink (to {os.readlink(full)}); the file it names is gone"
-        ) from None
+        raise NotFinished(f"{full} vanished while the source was looked at: still being written") from None
     except NotRegularFileError as e:
         raise ConfigError(f"{full}: {e}") from None
     try:
         st = os.fstat(fd)
     finally:
         os.close(fd)
-    if stat.S_ISLNK(link.st_mode) and st.st_uid != link.st_uid and not st.st_mode & stat.S_IROTH:
-        # The link's owner could not read the file it names: copying it for them would hand it over.
+    through_link = stat.S_ISLNK(link.st_mode) or real != full
+    if through_link and st.st_uid != owner and not st.st_mode & stat.S_IROTH:
+        # Whoever controls the source could not read the file it names: copying it would hand it over.
         raise ConfigError(
-            f"{full}: links to {real}, owned by uid {st.st_uid} and not readable by others, while the link "
-            f"belongs to uid {link.st_uid}; refusing to copy it into a checkpoint"
+            f"{full}: leads to {real}, owned by uid {st.st_uid} and not readable by others, while the source "
+            f"belongs to uid {owner}; refusing to copy it into a checkpoint"
         )
-    return SourceFile(real, full, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, stat.S_IMODE(st.st_mode))
+    return SourceFile(
+        real, full, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid
+    )
 
 
 def _looks_hf(path: str) -> bool:
@@ -283,7 +304,7 @@ def _torch_save_file(path: str) -> Source:
         layout.check_member_name(name)
     except IntegrityError as e:
         raise ConfigError(f"{path}: its name cannot be kept in a checkpoint ({e})") from None
-    sf = source_file(path)
+    sf = source_file(path, os.lstat(path).st_uid)
     try:
         with os.fdopen(sf.open(), "rb") as f, zipfile.ZipFile(f) as z:
             z.infolist()
@@ -320,8 +341,11 @@ def adopt(
             dest = os.path.join(tmp, *name.split("/"))
             os.makedirs(os.path.dirname(dest), exist_ok=True)
             with os.fdopen(sf.open(), "rb") as fi:  # the file inspected, not whatever the name leads to now
-                # Never wider than the source's mode: a file others could not read stays that way.
+                # Never wider than the source's mode: a file others could not read stays that way. Owned as the
+                # source is when root adopts (root's copy of a user's 0600 file would lock that user out).
                 with os.fdopen(os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, sf.mode & 0o666), "wb") as fo:
+                    if os.geteuid() == 0:
+                        os.fchown(fo.fileno(), sf.uid, sf.gid)
                     n = copy_fd(fi.fileno(), fo)
                 after = os.fstat(fi.fileno())
             if n != sf.size or (after.st_size, after.st_mtime_ns) != (sf.size, sf.mtime_ns):
@@ -375,8 +399,11 @@ def commit_written(
         entries: dict[str, FileEntry] = {}
         folders = set()
         for name, dest in sorted(_staged_files(tmp).items()):
-            with open(dest, "rb+") as f:
-                os.fsync(f.fileno())
+            fd = os.open(dest, os.O_RDONLY)  # read-only: a copy of a read-only file is one too
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
             d = digest_file(dest)
             entries[name] = FileEntry(d.size, d.hexdigest(), d.block, d.blocks())
             folders.add(os.path.dirname(dest))
@@ -532,26 +559,33 @@ def _parse_problem(path: str, name: str, fmt: str) -> str | None:
     return _NOT_PARSED
 
 
-_ST_ITEMSIZE = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E5M2": 1,
-    "F8_E4M3": 1,
-    "F8_E8M0": 1,
-    "I16": 2,
-    "U16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "I32": 4,
-    "U32": 4,
-    "F32": 4,
-    "I64": 8,
-    "U64": 8,
-    "F64": 8,
-    "C64": 8,
+_ST_BITS = {
+    "BOOL": 8,
+    "U8": 8,
+    "I8": 8,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E5M2FNUZ": 8,
+    "F8_E4M3FNUZ": 8,
+    "F8_E8M0": 8,
+    "E8M0": 8,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+    "F4": 4,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "I64": 64,
+    "U64": 64,
+    "F64": 64,
+    "C64": 64,
 }
-"""Bytes per element of each safetensors dtype."""
+"""Bits per element of each safetensors dtype; a dtype not listed (a newer one) is checked for its form and
+its span's place, not its element count."""
 _ST_MAX_HEADER = 100 << 20
 
 
@@ -600,8 +634,8 @@ def _tensor_entry_problem(v: Any) -> str | None:
     if not isinstance(v, dict):
         return f"entry is a JSON {type(v).__name__}, not an object"
     dtype, shape, offs = v.get("dtype"), v.get("shape"), v.get("data_offsets")
-    if dtype not in _ST_ITEMSIZE:
-        return f"unknown dtype {str(dtype)[:20]!r}"
+    if not isinstance(dtype, str) or not re.fullmatch(r"[A-Z][A-Z0-9_]{0,31}", dtype):
+        return f"dtype {str(dtype)[:20]!r} is not a dtype name"
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         return f"shape {str(shape)[:60]} is not a list of non-negative integers"
     if (
@@ -611,11 +645,13 @@ def _tensor_entry_problem(v: Any) -> str | None:
         or not 0 <= offs[0] <= offs[1]
     ):
         return f"data_offsets {str(offs)[:60]} is not [begin, end] with 0 <= begin <= end"
-    want = _ST_ITEMSIZE[dtype]
+    if dtype not in _ST_BITS:
+        return None
+    bits = _ST_BITS[dtype]
     for d in shape:
-        want *= d
-    if want != offs[1] - offs[0]:
-        return f"shape {shape} of {dtype} needs {want} bytes, its data_offsets span {offs[1] - offs[0]}"
+        bits *= d
+    if (bits + 7) // 8 != offs[1] - offs[0]:
+        return f"shape {shape} of {dtype} needs {(bits + 7) // 8} bytes, its data_offsets span {offs[1] - offs[0]}"
     return None
 
 

@@ -15,7 +15,9 @@ __all__ = [
     "ConfigError",
     "DestinationError",
     "IntegrityError",
+    "LoadError",
     "ManifestError",
+    "ResourceError",
     "MismatchError",
     "SaveError",
     "StorageError",
@@ -42,6 +44,12 @@ class IntegrityError(CkptflowError, ValueError):
     def __init__(self, message: str, *, path: str | None = None) -> None:
         super().__init__(message)
         self.path = path
+
+
+class LoadError(IntegrityError):
+    """A checkpoint that passed its checks could not be loaded for a reason other than its bytes: the model or
+    optimizer differs from the one that saved it, or a resource ran out on some rank. A resume passes it over
+    (it is an ``IntegrityError`` for that) but never calls it damage, so it is not set aside."""
 
 
 class ManifestError(IntegrityError):
@@ -73,6 +81,11 @@ class StorageError(CkptflowError, OSError):
 class DestinationError(StorageError):
     """Writing where the caller asked (a restore's ``--to``, an export's ``OUT``) failed: a full disk, a
     read-only or foreign folder. Not the checkpoint's fault, so no other candidate is tried."""
+
+
+class ResourceError(CkptflowError, OSError):
+    """A check could not run for want of a resource (a process to fork, CPU time on a machine too busy, a
+    hard limit below what the check needs): not the input's fault, so never called damage."""
 
 
 class CodecError(CkptflowError, ValueError):

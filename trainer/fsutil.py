@@ -4,11 +4,13 @@ once the parent directory is fsynced, a file's content once the file is; each he
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import uuid
 
 __all__ = [
+    "WRITE_ERRNOS",
     "append_durable",
     "fsync_dir",
     "make_sibling_dir",
@@ -17,6 +19,10 @@ __all__ = [
     "replace_atomic",
     "write_durable",
 ]
+
+
+WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG})
+"""Errors that say the place being written is the problem (full, over quota, read-only), whatever was read."""
 
 
 def fsync_dir(path: str | os.PathLike) -> None:

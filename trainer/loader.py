@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ckptflow.trainer.distenv import DistEnv
-from ckptflow.trainer.errors import ConfigError, IntegrityError, ManifestError
+from ckptflow.trainer.errors import ConfigError, IntegrityError, LoadError, ManifestError, UntrustedError
 from ckptflow.trainer.format.manifest import Manifest
 from ckptflow.trainer.safetree import decode
 from ckptflow.trainer.state import (
@@ -108,14 +108,19 @@ def load_verified(
     try:
         try:
             md = reader.read_metadata()
-        except IntegrityError:
-            md = None  # every rank reads the same file; the load below fails the same way on all of them
+        except Exception:  # damaged, or not checkable here: the load below fails on this rank, and all agree
+            md = None
         target = load_target(manifest, env=env, state=state, metadata=md)
         failed = load_local(target, reader, SafeLoadPlanner(), env)
         if failed is not None:
-            raise IntegrityError(
-                f"{path}: could not load it ({failed}); damaged, or the model or optimizer "
-                "structure differs from the one that saved it",
+            why, damage = failed
+            if damage:
+                raise IntegrityError(
+                    f"{path}: could not load it ({why}); its bytes differ from the manifest", path=path
+                )
+            raise LoadError(
+                f"{path}: could not load it ({why}); the model or optimizer structure differs from the one that "
+                "saved it, or a resource ran out",
                 path=path,
             )
     finally:
@@ -155,11 +160,13 @@ def load_verified(
     }
 
 
-def load_local(target: dict[str, Any], reader: Any, planner: Any, env: DistEnv) -> str | None:
-    """``dcp.load(target)`` without its plan exchange: what failed (on which ranks), or None; all ranks call it.
-    For a load DCP's global plan step changes nothing, so passing every rank's pickled plan through rank 0 is
-    pure cost. Each rank plans and reads alone; then one small collective (the only one, so an early failure
-    leaves no rank waiting) tells every rank whether all succeeded, so callers fall back together."""
+def load_local(target: dict[str, Any], reader: Any, planner: Any, env: DistEnv) -> tuple[str, bool] | None:
+    """``dcp.load(target)`` without its plan exchange: what failed (on which ranks) and whether every failure
+    was damage (bytes that differ from the manifest, not a structure mismatch or a resource), or None; all
+    ranks call it. For a load DCP's global plan step changes nothing, so passing every rank's pickled plan
+    through rank 0 is pure cost. Each rank plans and reads alone; then one small collective (the only one, so
+    an early failure leaves no rank waiting) tells every rank whether all succeeded, so callers fall back
+    together, and agree on whether what they fell back from was damaged."""
     err: BaseException | None = None
     try:
         md = reader.read_metadata()
@@ -174,10 +181,11 @@ def load_local(target: dict[str, Any], reader: Any, planner: Any, env: DistEnv) 
         err = e
     # An IntegrityError names the file and what is wrong with it; anything else needs its type.
     mine = "" if err is None else str(err) if isinstance(err, IntegrityError) else f"{type(err).__name__}: {err}"
+    damage = isinstance(err, IntegrityError) and not isinstance(err, (UntrustedError, LoadError))
     if env.world_size == 1:
-        return None if err is None else f"rank 0: {mine}"
+        return None if err is None else (f"rank 0: {mine}", damage)
     flags = torch.zeros(env.world_size, dtype=torch.int32)
-    flags[env.rank] = err is not None
+    flags[env.rank] = 0 if err is None else 1 if damage else 2
     # Every rank gets here, whatever failed; the checkpoint group's timeout bounds the wait.
     dist.all_reduce(flags, group=env.ckpt_group)
     bad = [r for r in range(env.world_size) if flags[r]]
@@ -191,7 +199,7 @@ def load_local(target: dict[str, Any], reader: Any, planner: Any, env: DistEnv) 
     dist.broadcast(why, src=bad[0], group=env.ckpt_group)
     text = bytes(why.numpy()).rstrip(b"\0").decode(errors="replace")
     more = f"; ranks {', '.join(map(str, bad[1:]))} failed too" if len(bad) > 1 else ""
-    return f"rank {bad[0]}: {text}{more}"
+    return f"rank {bad[0]}: {text}{more}", all(int(flags[r]) == 1 for r in bad)
 
 
 def _rank_part(key: str, per: dict[int, Any], own: Any, saved: int, env: DistEnv, reshard_state: Reshard | None) -> Any:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from ckptflow.trainer.config import Provenance
 from ckptflow.trainer.distenv import DistEnv
-from ckptflow.trainer.errors import IntegrityError
+from ckptflow.trainer.errors import IntegrityError, LoadError
 from ckptflow.trainer.format import commit
 from ckptflow.trainer.format.manifest import Manifest
 from ckptflow.trainer.loader import Reshard, files_read, load_target, load_verified
@@ -91,9 +91,10 @@ def _resume_shared(r: Resume, load: Callable[[str, Manifest], object]) -> LoadRe
         try:
             load(rep.chosen.path, rep.chosen.manifest)
             break
-        except IntegrityError as e:  # a byte that differs from the manifest, seen by any rank: damage
+        except IntegrityError as e:  # every rank failed it (load_local agrees): the next older one, together
             skipped.append((rep.chosen.path, str(e)))
-            damaged.append((rep.chosen.step, str(e)))
+            if not isinstance(e, LoadError):  # bytes that differ from the manifest: damage
+                damaged.append((rep.chosen.step, str(e)))
             after = rep.chosen.step
     for path, why in skipped:
         if env.rank == 0:
@@ -113,12 +114,22 @@ def _resume_shared(r: Resume, load: Callable[[str, Manifest], object]) -> LoadRe
         # replay those steps commit (not dropped as "already committed" beside a damaged copy).
         for step, why in damaged:
             if step > rep.chosen.step:
-                commit.set_aside(r.run_path, step, [why], found_by="resume")
+                _set_aside(r.run_path, step, why, "resume")
         if rep.latest_was != rep.chosen.step:
             log.warning("resume: 'latest' named %s; repaired to step %d", rep.latest_was, rep.chosen.step)
             commit.write_latest(r.run_path, rep.chosen.step)
         log.info("resumed from %s (step %d)", rep.chosen.path, rep.chosen.step)
     return LoadResult(rep.chosen.step, rep.chosen.path, skipped, mism)
+
+
+def _set_aside(run_path: str, step: int, why: str, found_by: str) -> None:
+    """Best effort, after the load: the other ranks have gone on to train, and a failure here (a folder this
+    user may not write) must not end this rank alone. A step left in place is set aside when it is saved again
+    (``commit.rename_then_latest``) or at the next resume."""
+    try:
+        commit.set_aside(run_path, step, [why], found_by=found_by)
+    except OSError as e:
+        log.warning("resume: could not set %s aside (%s); it stays where it is, not resumed from", step, e)
 
 
 def _resume_nodes(r: Resume, state: TrainState, load: Callable[[str, Manifest], object]) -> LoadResult:
@@ -148,7 +159,7 @@ def _resume_nodes(r: Resume, state: TrainState, load: Callable[[str, Manifest], 
     if topo.is_leader:  # each node sets aside its own copy of what the agreed resume passed over
         for bad, why in rep.damaged:
             if bad > rep.step:
-                commit.set_aside(r.run_path, bad, [why], found_by=f"resume on node {topo.node_id}")
+                _set_aside(r.run_path, bad, why, f"resume on node {topo.node_id}")
     if topo.is_leader and rep.latest_was != rep.step:
         log.warning("resume: node %s's 'latest' named %s; repaired to step %d", topo.node_id, rep.latest_was, rep.step)
         commit.write_latest(r.run_path, rep.step)

@@ -31,6 +31,7 @@ from typing import BinaryIO
 from ckptflow.tasks.codec.grouping import PLAIN, kind_for_dtype
 from ckptflow.trainer.errors import ConfigError
 from ckptflow.trainer.format import layout
+from ckptflow.trainer.safeopen import open_regular
 
 _DATA_MEMBER = re.compile(r"(^|/)data/\d+$")
 _EOCD = b"PK\x05\x06"
@@ -98,7 +99,8 @@ def dtype_maps_for_checkpoint(ckpt_dir: str) -> dict[str, DtypeMap]:
     if _exists(layout.join(ckpt_dir, layout.DCP_METADATA)):
         md = read_dcp_metadata(ckpt_dir)
         for name, records in _tensor_records(md).items():
-            with _open(layout.join(ckpt_dir, name)) as f:
+            # a name from .metadata: the checkpoint's own file or nothing (no "..", no absolute path)
+            with _open(layout.join(ckpt_dir, layout.check_member_name(name))) as f:
                 ranges = [r for off, n, dt in records for r in _torch_save_data(f, off, n, dt)]
             m = DtypeMap.from_ranges(_drop_overlaps(ranges))
             if m.ranges:
@@ -263,4 +265,4 @@ def _open(path: str) -> BinaryIO:
         import fsspec
 
         return fsspec.open(path, "rb").open()
-    return open(path, "rb")
+    return open_regular(path)  # a FIFO or device here is refused, never opened

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptflow.trainer.errors import ManifestError, UnsafePathError
+from ckptflow.trainer.errors import ManifestError, UnsafePathError, UntrustedError
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.format.checksum import ALGORITHM, hash_bytes
 from ckptflow.trainer.format.manifest import Manifest
@@ -105,13 +105,19 @@ class TierIndex:
             d = json.loads(data)
             if not isinstance(d, dict) or d.get("format") != INDEX_FORMAT:
                 raise ValueError("not a ckptflow tier index")
-            if d.get("format_version") != INDEX_VERSION:
-                raise ValueError(
-                    f"format_version {d.get('format_version')!r} is not supported "
-                    f"(this ckptflow reads {INDEX_VERSION}); upgrade ckptflow"
+            newer = d.get("format_version") != INDEX_VERSION or d.get("checksum_algorithm") != ALGORITHM
+            if newer and isinstance(d.get("format_version"), int) and d["format_version"] > INDEX_VERSION:
+                # Written by a newer ckptflow: not damage (a copy is never set aside for it), upgrade to read it.
+                raise UntrustedError(
+                    f"{source}: tier index format_version {d['format_version']} is newer than this ckptflow reads "
+                    f"({INDEX_VERSION}); upgrade ckptflow",
+                    path=source,
                 )
-            if d.get("checksum_algorithm") != ALGORITHM:
-                raise ValueError(f"checksum_algorithm {d.get('checksum_algorithm')!r}")
+            if newer:
+                raise ValueError(
+                    f"format_version {d.get('format_version')!r}, checksum_algorithm "
+                    f"{d.get('checksum_algorithm')!r} (this ckptflow reads {INDEX_VERSION}, {ALGORITHM})"
+                )
             files = {}
             for name, e in d["files"].items():
                 files[name] = StoredFile(
@@ -130,6 +136,8 @@ class TierIndex:
                 files=files,
                 created_at=float(d["created_at"]),
             )
+        except UntrustedError:
+            raise
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
             raise ManifestError(
                 f"{source}: tier index is malformed ({e}); the stored checkpoint "

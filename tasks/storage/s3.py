@@ -17,6 +17,7 @@ from typing import Any
 
 from ckptflow.tasks.config import TierConfig
 from ckptflow.trainer.errors import StorageError
+from ckptflow.trainer.fsutil import WRITE_ERRNOS
 
 # Object metadata (x-amz-meta-*) written with every data object, so a re-run can tell
 # from a HEAD, without downloading, that an object is already complete and correct.
@@ -111,6 +112,10 @@ class S3Objects:
         bucket, key = split_s3_url(url)
         try:
             manager.download(bucket, key, path).result()
+        except OSError as e:
+            if e.errno in WRITE_ERRNOS:
+                raise  # writing the local file failed (a full disk): the caller's destination, not the store
+            raise storage_error(url, "download", e) from None
         except Exception as e:
             # botocore's connection errors carry response=None once its retries run out
             resp = getattr(e, "response", None)

@@ -33,6 +33,7 @@ from ckptflow.trainer.errors import (
     ManifestError,
     StorageError,
     UnsafePathError,
+    UntrustedError,
 )
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.format.atomicity import RENAME, CommitRule, MarkerCommit, RenameCommit
@@ -396,6 +397,18 @@ class Tier:
                 "%s is damaged (%s); set aside as %s", self.url_for(run_id, step), "; ".join(reasons)[:300], where
             )
         return where
+
+    def open_or_set_aside(self, run_id: str, step: int, *, found_by: str) -> StoredCheckpoint | None:
+        """The committed copy of the step here (:meth:`open_checkpoint`), or None when it is damaged and has
+        just been set aside, so the caller writes the step again. A manifest this process cannot trust
+        (``UntrustedError``: another key, a newer format) is not damage and raises."""
+        try:
+            return self.open_checkpoint(run_id, step)
+        except UntrustedError:
+            raise
+        except IntegrityError as e:
+            self.set_aside(run_id, step, [str(e)], found_by=found_by)
+            return None
 
     def set_aside_names(self, run_id: str) -> list[str]:
         """What this tier's ``_damaged/`` holds for the run (names; [] if nothing was set aside)."""

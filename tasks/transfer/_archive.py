@@ -34,7 +34,7 @@ from ckptflow.tasks.storage.tier import StoredCheckpoint, Tier
 from ckptflow.tasks.transfer import _streams as streams
 from ckptflow.tasks.transfer._pool import run_all
 from ckptflow.tasks.transfer.results import FaultHook, TransferResult, no_fault
-from ckptflow.trainer.errors import ConfigError, IntegrityError, ManifestError, StorageError, UntrustedError
+from ckptflow.trainer.errors import ConfigError, IntegrityError, ManifestError, StorageError
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.format.checksum import hash_bytes, hash_file
 
@@ -254,14 +254,10 @@ def _put(
 
 def _check_committed(cold: Tier, ckpt: StoredCheckpoint, uri: str) -> TransferResult | None:
     """Already archived? Returns the no-op result, or None to (re)upload what is missing."""
-    try:
-        there = cold.open_checkpoint(ckpt.run_id, ckpt.step)
-    except UntrustedError:
-        raise  # not damage: the key or the version is what to fix
-    except IntegrityError as e:
-        # The marker vouches for a damaged index: set it aside (the marker withdrawn, a note kept), then
-        # archive again (objects that are still right are skipped by their metadata).
-        cold.set_aside(ckpt.run_id, ckpt.step, [str(e)], found_by="archive")
+    # A marker that vouches for a damaged index: set aside (the marker withdrawn, a note kept), then archived
+    # again (objects that are still right are skipped by their metadata).
+    there = cold.open_or_set_aside(ckpt.run_id, ckpt.step, found_by="archive")
+    if there is None:
         return None
     if hash_bytes(there.manifest_bytes) != hash_bytes(ckpt.manifest_bytes):
         raise ManifestError(

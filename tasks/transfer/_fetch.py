@@ -19,7 +19,6 @@ only when every file matched, so ``dst_dir`` either holds a whole, verified chec
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import shutil
 import time
@@ -42,7 +41,7 @@ from ckptflow.trainer.errors import (
 )
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.format.checksum import hash_file
-from ckptflow.trainer.fsutil import make_sibling_dir
+from ckptflow.trainer.fsutil import WRITE_ERRNOS, make_sibling_dir
 from ckptflow.trainer.safeopen import copy_fd, open_regular
 
 Progress = Callable[[int], None]
@@ -74,12 +73,15 @@ def fetch(
     ckpt = tier.open_checkpoint(run_id, step)
     dst_dir = os.path.abspath(dst_dir)
     check_destination(dst_dir)
+    part = ""
     try:
         part = make_sibling_dir(dst_dir, "part")
         # Compressed objects land in a sibling dir, never inside `part`: no stored name can
         # then collide with (or delete) a member of the checkpoint.
         stored = make_sibling_dir(dst_dir, "stored")
     except OSError as e:  # not even a folder beside it: the destination's problem, whatever the errno
+        if part:
+            shutil.rmtree(part, ignore_errors=True)
         raise DestinationError(
             f"{dst_dir}: cannot write the checkpoint there ({e.strerror or e}: {e.filename}); fix the folder's "
             "owner, mode or free space, or choose another destination"
@@ -127,10 +129,6 @@ def fetch(
     return res
 
 
-DESTINATION_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG})
-"""Errors that say where bytes are written is the problem, whatever file was being read."""
-
-
 def check_destination(dst_dir: str) -> None:
     """A restore's destination: absent, or an empty directory that is not a symlink (a link would have the
     checkpoint land wherever it points). Raises :class:`DestinationError` naming it otherwise."""
@@ -155,7 +153,7 @@ def _destination(dst_dir: str, *ours: str) -> Iterator[None]:
             raise
         name = os.fspath(e.filename) if isinstance(e.filename, (str, bytes, os.PathLike)) else ""
         name = os.fsdecode(name)
-        if e.errno in DESTINATION_ERRNOS or any(name == d or name.startswith(d + os.sep) for d in ours):
+        if e.errno in WRITE_ERRNOS or any(name == d or name.startswith(d + os.sep) for d in ours):
             raise DestinationError(
                 f"{dst_dir}: cannot write the checkpoint there ({e.strerror or e}); free space or choose another "
                 "destination, then run again (the checkpoint itself was not at fault)"

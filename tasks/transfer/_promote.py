@@ -53,10 +53,10 @@ def compress(
     t0 = time.perf_counter()
     _require_rename_tier(dst)
     ckpt = src.open_checkpoint(run_id, step)
-    if dst.is_committed(run_id, step) and (done := _already_committed(dst, ckpt, t0)) is not None:
+    if dst.is_committed(run_id, step) and (done := _already_committed(dst, ckpt, t0, locked=False)) is not None:
         return done
     with _locked_tmp(dst, run_id, step) as tmp:
-        if dst.is_committed(run_id, step) and (done := _already_committed(dst, ckpt, t0)) is not None:
+        if dst.is_committed(run_id, step) and (done := _already_committed(dst, ckpt, t0, locked=True)) is not None:
             remove_tree(tmp)  # a promote committed meanwhile
             return done
         res, _ = _stage(src, dst, ckpt, tmp, threads, fault or no_fault, durable=True)
@@ -84,11 +84,11 @@ def promote(
     fault = fault or no_fault
     _require_rename_tier(dst)
     ckpt = src.open_checkpoint(run_id, step)
-    if dst.is_committed(run_id, step) and (done := _already_committed(dst, ckpt, t0)) is not None:
+    if dst.is_committed(run_id, step) and (done := _already_committed(dst, ckpt, t0, locked=False)) is not None:
         return done
     final = dst.url_for(run_id, step)
     with _locked_tmp(dst, run_id, step) as tmp:
-        if dst.is_committed(run_id, step) and (done := _already_committed(dst, ckpt, t0)) is not None:
+        if dst.is_committed(run_id, step) and (done := _already_committed(dst, ckpt, t0, locked=True)) is not None:
             remove_tree(tmp)  # another promote committed meanwhile: the empty tmp our lock re-created goes
             return done
         # durable=False: the commit below fsyncs tmp's entries once, after manifest.json
@@ -240,15 +240,21 @@ def _verify_tmp(
     return index
 
 
-def _already_committed(dst: Tier, ckpt: StoredCheckpoint, t0: float) -> TransferResult | None:
-    """The no-op result when ``dst`` holds this very checkpoint; None when its copy was damaged and has been
-    set aside (the caller promotes it again)."""
-    try:
-        there = dst.open_checkpoint(ckpt.run_id, ckpt.step)
-    except UntrustedError:
-        raise  # not damage: the key or the version is what to fix
-    except IntegrityError as e:
-        dst.set_aside(ckpt.run_id, ckpt.step, [str(e)], found_by="promote")
+def _already_committed(dst: Tier, ckpt: StoredCheckpoint, t0: float, *, locked: bool) -> TransferResult | None:
+    """The no-op result when ``dst`` holds this very checkpoint; None when its copy is damaged (the caller
+    promotes it again). ``locked``: the caller holds the step's staging lock, so no other promote can commit
+    the step meanwhile, and the damaged copy is set aside now (never without the lock: it could be another
+    promote's fresh commit)."""
+    if locked:
+        there = dst.open_or_set_aside(ckpt.run_id, ckpt.step, found_by="promote")
+    else:
+        try:
+            there = dst.open_checkpoint(ckpt.run_id, ckpt.step)
+        except UntrustedError:
+            raise
+        except IntegrityError:
+            there = None
+    if there is None:
         return None
     if hash_bytes(there.manifest_bytes) != hash_bytes(ckpt.manifest_bytes):
         raise ManifestError(

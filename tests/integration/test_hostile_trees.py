@@ -9,7 +9,8 @@ or a bomb ``.metadata`` with the unsigned manifest rewritten to vouch for it, a 
 safetensors headers, a ``latest`` that is a FIFO, a folder, a device or garbage, a phantom empty step, a warm
 tier configured as the hot folder under another name.
 
-Then each command runs as the console script runs it (a forked child with a time limit), and must:
+Then each command runs as the console script runs it (a forked child with a time limit; the trainer's resume
+and the lifecycle's verify and promote as their functions), and must:
 finish within its bound; exit with a documented code (0 or 1 with no traceback, or 2, 3, 4 with exactly one
 ``ckptflow: error:`` line); write nothing outside what it was asked to write (every other path of the tree
 keeps its kind, size, mode and modification time); never run a pickle (no marker appears); restore only a
@@ -326,6 +327,23 @@ def _resume(run: str) -> int:
     return 0
 
 
+def _promote(cfg_path: str, out: str) -> int:
+    """The lifecycle's promote of hot step 6 onto a tier of its own (bytegroup: the dtype maps read the data
+    files too); a refusal is a ckptflow error, anything else escapes and fails the tree."""
+    from ckptflow.tasks.config import TierConfig, load_config
+    from ckptflow.tasks.storage import Tier
+    from ckptflow.tasks.transfer import promote
+    from ckptflow.trainer.errors import CkptflowError
+
+    dst = Tier(TierConfig(name="scratch", url=out, codec="bytegroup"))
+    try:
+        promote(Tier(load_config(cfg_path).hot), dst, RUN, 6)
+    except CkptflowError as e:
+        print(e)
+        return 1
+    return 0
+
+
 def _lifecycle_verify(cfg_path: str, step: int) -> int:
     from ckptflow.tasks.checkpoint import CheckpointRef
     from ckptflow.tasks.config import load_config
@@ -370,16 +388,17 @@ def test_every_command_on_a_hostile_tree_ends_cleanly_and_writes_only_its_destin
         _check_exit(f"{what} | {name}", r, codes)
         assert not _changed(before, _snapshot(base)), f"{what} | {name} wrote into the tree"
 
-    for name, fn in (
-        ("trainer resume", lambda: _resume(t.run)),
-        ("lifecycle verify", lambda: _lifecycle_verify(cfg, 6)),
+    for name, fn, codes in (
+        ("trainer resume", lambda: _resume(t.run), {0}),
+        ("lifecycle verify", lambda: _lifecycle_verify(cfg, 6), {0}),
+        ("lifecycle promote", lambda: _promote(cfg, os.path.join(out, "promoted")), {0, 1}),
     ):
         before = _snapshot(base)
         r = forked(fn, env=env, timeout=BOUND_S)
-        if name == "lifecycle verify" and bad_config:
+        if name.startswith("lifecycle") and bad_config:
             assert r.code == 99 and "same place" in r.err, f"{what} | {name}: {r.err[-1500:]}"
         else:
-            _check_exit(f"{what} | {name}", r, {0})
+            _check_exit(f"{what} | {name}", r, codes)
         assert not _changed(before, _snapshot(base)), f"{what} | {name} wrote into the tree"
 
     writers: list[tuple[str, list[str], set[int], str, set[str]]] = [

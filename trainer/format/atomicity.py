@@ -127,6 +127,10 @@ class RenameCommit:
         return name.endswith(DELETING_SUFFIX) and layout.parse_step(name[: -len(DELETING_SUFFIX)]) is not None
 
 
+RETIRED_RECORDS = "_records"
+"""Under ``_damaged/``: stage records of a step's earlier copy, retired when the step committed again."""
+
+
 def retire_records(run_url: str, step: int, *, into: str | None = None) -> str | None:
     """Move a step's stage records (``_lifecycle/step_N/``) aside, into ``into`` or a folder of their own under
     ``_damaged/``: they belong to a copy that is no longer committed, and a new save of the step must start its
@@ -134,10 +138,10 @@ def retire_records(run_url: str, step: int, *, into: str | None = None) -> str |
     records = layout.lifecycle_dir(run_url, step)
     if not os.path.isdir(records) or os.path.islink(records):
         return None
-    if into is None:
-        aside_root = layout.join(run_url, layout.DAMAGED_DIR)
-        os.makedirs(aside_root, exist_ok=True)
-        dest = layout.join(aside_root, layout.set_aside_name(step, _stamp()) + ".records")
+    if into is None:  # records alone (no checkpoint with them): kept apart from the set-aside checkpoints
+        retired = layout.join(run_url, layout.DAMAGED_DIR, RETIRED_RECORDS)
+        os.makedirs(retired, exist_ok=True)
+        dest = layout.join(retired, layout.set_aside_name(step, _stamp()))
     else:
         dest = layout.join(into, layout.LIFECYCLE_DIR)
     rename_durable(records, dest)

@@ -57,13 +57,14 @@ def rename_then_latest(run_path: str, step: int) -> None:
     """Steps 4-5 above, for a ``.tmp`` dir holding its manifest: the rename (the commit point), then ``latest``.
     Also a node's commit point on node-local roots (``trainer/nodes/twolevel.py``, phase 8)."""
     tmp = RENAME.staging_url(run_path, step)
-    if RENAME.is_committed(run_path, step) and is_quarantined(run_path, step):
-        # The lifecycle found the committed copy bad; a new save of the step replaces it (set aside, kept).
-        set_aside(run_path, step, ["quarantined by the lifecycle's verify stage"], found_by="commit")
+    if RENAME.is_committed(run_path, step) and (why := _refused_copy(run_path, step)) is not None:
+        # The committed copy is one no resume would take (quarantined, damaged, a manifest this process
+        # cannot trust): the new save of the step replaces it, the old one set aside and kept.
+        set_aside(run_path, step, [why], found_by="commit")
     if not RENAME.is_committed(run_path, step):
         retire_records(run_path, step)  # records of an earlier copy of this step, no longer committed
     if RENAME.is_committed(run_path, step):
-        # A re-run of a step an earlier attempt committed (resumed from an older one): the committed dir is
+        # A re-run of a step an earlier attempt committed and that still checks out: the committed dir is
         # immutable (a lifecycle flow may be reading it), so drop the duplicate.
         log.warning(
             "%s already committed; discarding the duplicate save in %s",
@@ -74,12 +75,33 @@ def rename_then_latest(run_path: str, step: int) -> None:
     else:
         RENAME.commit(run_path, step)  # <- the commit point
     faults.maybe_crash("after_rename", step)
-    newest = max(RENAME.committed_steps(run_path), default=step)
-    if step >= newest:  # `latest` names the newest committed step: an older one committed now (adopted) leaves it
+    named = read_latest(run_path)
+    if named is None or step >= named or not RENAME.is_committed(run_path, named):
         write_latest(run_path, step)
-    else:
-        log.info("%s committed; 'latest' keeps naming the newer step %d", layout.step_name(step), newest)
+    else:  # a commit never moves `latest` back (adopting an older step); a resume repairs it to where it went on
+        log.info("%s committed; 'latest' keeps naming the newer step %d", layout.step_name(step), named)
     faults.maybe_crash("after_latest", step)
+
+
+def _refused_copy(run_path: str, step: int) -> str | None:
+    """Why the committed copy of ``step`` is not one a resume would take (cheap checks: quarantine, the
+    manifest read and authenticated for this step, every file there at its size), or None."""
+    from ckptflow.trainer.verify import check_present, is_node_part, verify_checkpoint
+
+    if is_quarantined(run_path, step):
+        return "quarantined by the lifecycle's verify stage"
+    path = layout.join(run_path, layout.step_name(step))
+    res = verify_checkpoint(path, only=[], expect=(os.path.basename(run_path), step))
+    problems = [str(p) for p in res.problems]
+    if res.manifest is not None and not problems:
+        part = is_node_part(res.manifest)  # a node holds its part: the others' files are elsewhere, not missing
+        problems = [
+            str(p)
+            for n, e in sorted(res.manifest.files.items())
+            if not (part and not os.path.lexists(os.path.join(path, *n.split("/"))))
+            and (p := check_present(path, n, e.size))
+        ]
+    return "; ".join(problems) or None
 
 
 def set_aside(run_path: str, step: int, reasons: list[str], *, found_by: str) -> str | None:
@@ -99,9 +121,10 @@ def set_aside(run_path: str, step: int, reasons: list[str], *, found_by: str) ->
 def set_aside_steps(run_path: str) -> list[str]:
     """What ``_damaged/`` holds for this local run (names; [] if nothing was ever set aside)."""
     try:
-        return sorted(n for n in os.listdir(os.path.join(run_path, layout.DAMAGED_DIR)) if layout.parse_set_aside(n))
+        names = os.listdir(os.path.join(run_path, layout.DAMAGED_DIR))
     except (FileNotFoundError, NotADirectoryError):
         return []
+    return sorted(n for n in names if layout.parse_set_aside(n) is not None)
 
 
 def write_latest(run_path: str, step: int) -> None:

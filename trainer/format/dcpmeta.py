@@ -15,19 +15,21 @@ wall-clock bound; only bytes that parsed there are parsed in the caller (:func:`
 
 from __future__ import annotations
 
+import importlib
 import io
 import os
 import pickle
 import resource
 import select
 import signal
+import struct
 import time
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ckptflow.trainer.errors import IntegrityError
+from ckptflow.trainer.errors import IntegrityError, ResourceError
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.format.checksum import hash_bytes
 from ckptflow.trainer.safeopen import open_regular
@@ -82,6 +84,11 @@ _ALLOWED: dict[str, frozenset[str]] = {
 # torch.Size plus every dtype (torch.float32, …), which pickle by name as attributes of torch.
 _TORCH_DTYPES = frozenset(n for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype))
 _ALLOWED["torch"] = frozenset({"Size"}) | _TORCH_DTYPES
+for _module in _ALLOWED:  # imported here, once: the bounded parse's forked child must never import
+    try:
+        importlib.import_module(_module)
+    except ImportError:  # a module this torch does not have: its classes cannot be asked for either
+        pass
 
 
 class MetadataUnpickler(pickle.Unpickler):
@@ -162,50 +169,68 @@ def _limits(n: int) -> tuple[int, int]:
     return max(PARSE_MEMORY_BYTES, 40 * n), max(PARSE_CPU_S, PARSE_CPU_S + n // (4 << 20))
 
 
+_SETUP_FAILED = 3
+"""The child's exit code when its caps could not be set (a hard limit below them): the machine's problem."""
+
+
 def _parse_bounded(data: bytes, source: str) -> None:
-    """Parse ``data`` in a forked child whose address space and CPU time are capped (``setrlimit``), and wait
-    for it at most a wall-clock bound; raise ``IntegrityError`` if it failed, ran out of either, or took too
-    long. The child starts from this process's imports, touches nothing but ``data``, and ends with
-    ``os._exit`` (no interpreter finalization, no atexit handlers, no buffers of the parent's flushed)."""
+    """Parse ``data`` in a forked child whose address space and CPU time are capped (``setrlimit``), waiting
+    for it at most a wall-clock bound. Raises ``IntegrityError`` when the bytes are at fault: refused by the
+    allow-list, garbage, or asking for more memory, CPU time or nesting than the caps allow (a bomb).
+    Raises :class:`~ckptflow.trainer.errors.ResourceError` when the check could not run: no process to fork,
+    hard limits below the caps, or a machine so busy the child never got its CPU time within the wall bound.
+
+    The child starts from this process's imports (the allow-listed modules are imported here first: a fork
+    of a threaded process must not import), keeps only its end of the pipe (no other thread's pipe, no
+    socket of the trainer's), blocks the signals a job's process group receives, dumps no core, writes one
+    framed message and ends with ``os._exit`` (no finalization, no atexit handlers, no buffers flushed)."""
     mem, cpu = _limits(len(data))
+    wall = 3 * cpu + 10
     r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child
-        code = 0
-        try:
-            os.close(r)
-            base = _address_space()
-            resource.setrlimit(resource.RLIMIT_AS, (base + mem, base + mem))
-            resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-            try:
-                _loads(data, source)
-                msg = b"ok"
-            except MemoryError:
-                msg = b"memory"
-            except IntegrityError as e:
-                msg = b"bad " + str(e).encode("utf-8", "replace")[:4000]
-            except RecursionError:
-                msg = b"recursion"
-            os.write(w, msg)
-        except BaseException:  # noqa: BLE001 - nothing may escape a forked child
-            code = 1
-        finally:
-            os._exit(code)
+    try:
+        pid = os.fork()
+    except BaseException:
+        os.close(r)
+        os.close(w)
+        raise
+    if pid == 0:
+        _child(data, source, r, w, mem, cpu)  # never returns
     os.close(w)
     try:
-        msg = _read_result(r, pid, wall_s=3 * cpu + 10)
+        msg, status, used = _read_result(r, pid, wall_s=wall)
     finally:
         os.close(r)
     if msg == b"ok":
         return
-    if msg.startswith(b"bad "):
+    if msg is not None and msg.startswith(b"bad "):
         raise IntegrityError(msg[4:].decode("utf-8", "replace"), path=source)
+    if msg is None and status is None and used < cpu:
+        raise ResourceError(
+            f"{source}: could not check this DCP .metadata: its bounded parse got {used:.1f} s of CPU in {wall} s "
+            "(the machine is overloaded); nothing is wrong with the checkpoint as far as is known: run again"
+        )
+    if msg is None and status is not None and os.WIFEXITED(status):
+        code = os.WEXITSTATUS(status)
+        raise ResourceError(
+            f"{source}: could not check this DCP .metadata: "
+            + (
+                f"this process's hard limits are below the check's caps ({mem >> 20} MiB of address space beyond "
+                f"its own, {cpu} s of CPU); raise them (ulimit -v / -t)"
+                if code == _SETUP_FAILED
+                else f"its checking process ended without an answer (exit {code})"
+            )
+        )
     why = {
         b"memory": f"asks for more than {mem >> 20} MiB",
         b"recursion": "nests deeper than Python allows",
-        b"cpu": f"took more than {cpu} s of CPU",
-        b"wall": f"did not finish within {3 * cpu + 10} s",
-    }.get(msg, f"its parse ended abnormally ({msg.decode('ascii', 'replace')})")
+    }.get(msg or b"", "")
+    if not why:
+        sig = os.WTERMSIG(status) if status is not None and os.WIFSIGNALED(status) else None
+        why = (
+            f"took more than {cpu} s of CPU"
+            if sig in (signal.SIGXCPU, signal.SIGKILL, None)
+            else f"crashed the parser (signal {sig})"
+        )
     raise IntegrityError(
         f"{source}: refusing this DCP .metadata: parsing its {len(data)} bytes {why}; a real one of that size "
         "never does (a pickle bomb, or damage). Do not load this checkpoint: restore an older one",
@@ -213,30 +238,84 @@ def _parse_bounded(data: bytes, source: str) -> None:
     )
 
 
-def _read_result(r: int, pid: int, *, wall_s: float) -> bytes:
-    """The child's one message, or why there is none (``cpu``, ``wall``, ``signal N``); reaps the child."""
+def _child(data: bytes, source: str, r: int, w: int, mem: int, cpu: int) -> None:
+    """The forked child of :func:`_parse_bounded`: caps, parse, one framed message, ``os._exit``."""
+    code = 0
+    try:
+        os.close(r)
+        top = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        os.closerange(3, w)
+        os.closerange(w + 1, top if top != resource.RLIM_INFINITY else 1 << 20)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1})
+        try:
+            _cap(resource.RLIMIT_CORE, 0)
+            _cap(resource.RLIMIT_AS, _address_space() + mem)
+            _cap(resource.RLIMIT_CPU, cpu)
+        except (OSError, ValueError):
+            os._exit(_SETUP_FAILED)
+        try:
+            _loads(data, source)
+            msg = b"ok"
+        except MemoryError:
+            msg = b"memory"
+        except IntegrityError as e:
+            msg = b"bad " + str(e).encode("utf-8", "replace")[:4000]
+        except RecursionError:
+            msg = b"recursion"
+        os.write(w, struct.pack("<I", len(msg)) + msg)
+    except BaseException:  # noqa: BLE001 - nothing may escape a forked child
+        code = 1
+    finally:
+        os._exit(code)
+
+
+def _cap(which: int, value: int) -> None:
+    """Lower the limit ``which`` to ``value`` (soft and hard); a hard limit already below it is an error."""
+    _, hard = resource.getrlimit(which)
+    if hard != resource.RLIM_INFINITY and hard < value:
+        raise ValueError(f"hard limit {hard} < {value}")
+    resource.setrlimit(which, (value, value))
+
+
+def _read_result(r: int, pid: int, *, wall_s: float) -> tuple[bytes | None, int | None, float]:
+    """The child's message (None: none came), its wait status (None: killed after ``wall_s``) and the CPU
+    seconds it used; the child is reaped on every path, also when this raises."""
     deadline = time.monotonic() + wall_s
-    chunks: list[bytes] = []
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            return b"wall"
-        ready, _, _ = select.select([r], [], [], min(left, 1.0))
-        if ready:
-            chunk = os.read(r, 1 << 16)
-            if not chunk:
+    poller = select.poll()  # not select(): a trainer's descriptors run past 1024
+    poller.register(r, select.POLLIN | select.POLLHUP)
+    buf = b""
+    killed = False
+    try:
+        while not _framed(buf):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                os.kill(pid, signal.SIGKILL)
+                killed = True
                 break
-            chunks.append(chunk)
-    _, status = os.waitpid(pid, 0)
-    msg = b"".join(chunks)
-    if msg:
-        return msg
-    if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        return b"cpu" if sig in (signal.SIGXCPU, signal.SIGKILL) else f"signal {sig}".encode()
-    return f"exit {os.WEXITSTATUS(status)}".encode()
+            if poller.poll(max(1, int(min(left, 1.0) * 1000))):
+                chunk = os.read(r, 1 << 16)
+                if not chunk:
+                    break
+                buf += chunk
+    except BaseException:  # interrupted: the child goes too, now, not at its CPU cap
+        os.kill(pid, signal.SIGKILL)
+        os.wait4(pid, 0)
+        raise
+    _, status, usage = os.wait4(pid, 0)
+    used = usage.ru_utime + usage.ru_stime
+    if killed:
+        return None, None, used
+    n = _framed(buf)
+    return (buf[4 : 4 + n] if n else None), status, used
+
+
+def _framed(buf: bytes) -> int:
+    """The length of the message in ``buf`` once all of it is there (a 4-byte length, then the bytes), else 0
+    (a message is never empty)."""
+    if len(buf) < 4:
+        return 0
+    n = struct.unpack("<I", buf[:4])[0]
+    return n if len(buf) >= 4 + n else 0
 
 
 def _address_space() -> int:

@@ -103,7 +103,7 @@ _STEP_RE = re.compile(rf"^{STEP_PREFIX}(\d{{{STEP_DIGITS}}})$")
 _TMP_RE = re.compile(rf"^{STEP_PREFIX}(\d{{{STEP_DIGITS}}}){re.escape(TMP_SUFFIX)}$")
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _RESERVED_RUN_IDS = frozenset({LATEST, METRICS, "interval.jsonl"})
-_RESERVED_RUN_RE = re.compile(rf"^{STEP_PREFIX}\d", re.IGNORECASE)
+_RESERVED_RUN_RE = re.compile(rf"^{STEP_PREFIX}\d{{{STEP_DIGITS}}}(\..*)?$")  # a step, its .tmp or .deleting
 
 
 def join(*parts: str) -> str:
@@ -125,10 +125,10 @@ def check_run_id(run_id: str) -> str:
             f"run_id {run_id!r} is not allowed: use 1-128 characters from "
             "[A-Za-z0-9._-], starting with a letter or digit, without '..'"
         )
-    if run_id.lower() in _RESERVED_RUN_IDS or _RESERVED_RUN_RE.match(run_id):
+    if run_id in _RESERVED_RUN_IDS or _RESERVED_RUN_RE.match(run_id):
         raise ConfigError(
             f"run_id {run_id!r} is not allowed: it is a name ckptflow uses inside a run's folder "
-            f"({', '.join(sorted(_RESERVED_RUN_IDS))}, step_<digits>); choose another run id"
+            f"({', '.join(sorted(_RESERVED_RUN_IDS))}, step_<{STEP_DIGITS} digits>); choose another run id"
         )
     return run_id
 

@@ -116,7 +116,7 @@ class Manifest:
         body = self.body()
         key = key if key is not None else signing_key()
         if key:
-            body["signature"] = {"alg": "hmac-sha256", "value": _sign(body, key)}
+            body["signature"] = {"alg": "hmac-sha256", "value": _sign(body, key), "key_id": key_id(key)}
         return (json.dumps(body, indent=1, sort_keys=False) + "\n").encode()
 
     @classmethod
@@ -261,10 +261,22 @@ def _authenticate(d: dict[str, Any], source: str, key: bytes | None) -> None:
         )
     body = {k: v for k, v in d.items() if k != "signature"}
     if not hmac.compare_digest(str(sig.get("value", "")), _sign(body, key)):
+        if sig.get("key_id") == key_id(key):  # signed with this very key, and no longer matching: damage
+            raise ManifestError(
+                f"{source}: manifest signature does not match although it was signed with this key: the manifest "
+                "was tampered with or damaged; refusing it",
+                path=source,
+            )
         raise UntrustedError(
             f"{source}: manifest signature does not match (tampered, or signed with another key); refusing it",
             path=source,
         )
+
+
+def key_id(key: bytes) -> str:
+    """Which key signed a manifest, without saying anything useful about the key: a manifest that no longer
+    matches the key it names is damaged; one signed with another key is only not trusted here."""
+    return hashlib.sha256(b"ckptflow manifest key id\0" + key).hexdigest()[:16]
 
 
 def read_manifest(ckpt_dir: str, *, key: bytes | None = None) -> Manifest:

@@ -393,8 +393,15 @@ def resume_point(
         if topo.is_leader and stage != d:
             write_durable(os.path.join(stage, layout.MANIFEST), box[0])
         dist.barrier(group=group)
-        mine_needs = _needs_checked(stage, manifest, needs)
-        all_needs = gather(sorted(mine_needs), group)
+        try:  # every rank answers, failed or not: a rank that raised alone would leave the others in gather
+            answer: tuple[bool, Any] = (True, sorted(_needs_checked(stage, manifest, needs)))
+        except Exception as e:
+            answer = (False, f"rank {topo.rank}: {type(e).__name__}: {e}")
+        answers = gather(answer, group)
+        failed = [why for ok, why in answers if not ok]
+        if failed:
+            raise IntegrityError(f"resume: planning the load of step {step} failed: {failed[0]}")
+        all_needs = [list(got) for _, got in answers]
         per_node = {
             i: {f for r in dom for f in all_needs[r]} | {layout.DCP_METADATA} for i, dom in enumerate(topo.domains)
         }
