@@ -31,7 +31,7 @@ from ckptflow.tasks.adopt import is_adopted, parse_check
 from ckptflow.tasks.checkpoint import CheckpointRef
 from ckptflow.tasks.expectations import ExpectationReport
 from ckptflow.trainer import faults
-from ckptflow.trainer.errors import CheckpointNotFoundError, UntrustedError
+from ckptflow.trainer.errors import CheckpointNotFoundError
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.format.commit import set_aside_steps
 from ckptflow.trainer.verify import VerifyResult, verify_checkpoint
@@ -222,13 +222,6 @@ def verify(
         "problems": [str(p) for p in integ.problems],
     }
     if not integ.ok:
-        if integ.problems and not any(p.damage for p in integ.problems):
-            # Refused only because this worker cannot trust it (another signing key, a newer ckptflow): not
-            # a bad checkpoint, so not quarantined (the trainer would set a quarantined one aside).
-            raise UntrustedError(
-                f"{ckpt}: not verified here ({integ.problems[0]}); nothing quarantined: give this worker the "
-                "trainer's signing key (or upgrade ckptflow), then run the lifecycle again"
-            )
         out.reasons = [f"integrity: {p}" for p in integ.problems]
         return _finish(out, t0)
 
