@@ -17,18 +17,14 @@ import torch
 
 from ckptflow.trainer.events import EXPORTED, resource_id
 from ckptflow.trainer.format import layout
-from tests.helpers import PY, REPO, adopt_cli, flip_byte, server_event, torchrun_env, write_config
+from tests.helpers import PY, REPO, adopt_cli, flip_byte, forked_cli, server_event, torchrun_env, write_config
 
 
 def export_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [PY, "-m", "ckptflow.cli.main", "export", *args],
-        cwd=REPO,
-        env=torchrun_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    """``ckptflow export ARGS`` through the console script's entry, in a forked child with a child's environment."""
+    r = forked_cli(["export", *args], environ=torchrun_env(), cwd=REPO, timeout=120)
+    assert not r.hung, f"ckptflow export {' '.join(args)} hung"
+    return subprocess.CompletedProcess(["ckptflow", "export", *args], r.code, r.out, r.err)
 
 
 def _shards(out: str) -> dict[str, torch.Tensor]:

@@ -74,33 +74,35 @@ class _Mkdir:
 
 
 def test_a_damaged_or_quarantined_step_is_set_aside_and_its_resave_commits(tmp_path):
-    """The job resumes past its damaged newest step, trains it again and saves it: that save commits (the
-    damaged copy set aside, kept, never named by ``latest``), also for a step the lifecycle quarantined."""
+    """The job restarts over a damaged newest step (a byte flipped), a step the lifecycle quarantined and a
+    FIFO where ``latest`` was: it ignores ``latest``, passes both steps over, resumes from the one before,
+    trains them again and saves them: those saves commit (the old copies set aside, kept, never named by
+    ``latest``; the quarantined one's records with it, so its re-save starts its own lifecycle)."""
     from ckptflow.tasks import records
     from ckptflow.trainer.verify import verify_checkpoint
 
     run = make_run(tmp_path, "r1", max_steps=6, save_every=2)
     flip_byte(os.path.join(step_dir(run, 6), "__0_0.distcp"))
-    make_run(tmp_path, "r1", max_steps=6, save_every=2)  # resumes from 4, saves 6 again
+    records.quarantine(run, 4, ["sanity: probe loss differs"])
+    _mkfifo(os.path.join(run, layout.LATEST))
+    make_run(tmp_path, "r1", max_steps=6, save_every=2)  # resumes from 2, saves 4 and 6 again
 
-    assert verify_checkpoint(step_dir(run, 6)).ok, "the re-saved step 6 is the committed one"
+    for s in (4, 6):
+        assert verify_checkpoint(step_dir(run, s)).ok, f"the re-saved step {s} is the committed one"
     assert open(os.path.join(run, layout.LATEST)).read().strip() == layout.step_name(6)
-    aside = os.listdir(os.path.join(run, layout.DAMAGED_DIR))
-    assert len(aside) == 1 and layout.parse_set_aside(aside[0]) == 6
-    note = json.loads(open(os.path.join(run, layout.DAMAGED_DIR, aside[0], layout.SET_ASIDE_NOTE)).read())
-    assert note["found_by"] == "resume" and "checksum" in " ".join(note["reasons"])
-    assert not verify_checkpoint(os.path.join(run, layout.DAMAGED_DIR, aside[0])).ok  # kept as it was found
-
-    # The lifecycle quarantines step 6 (its records move with it when the re-save replaces it).
-    records.quarantine(run, 6, ["sanity: probe loss differs"])
-    make_run(tmp_path, "r1", max_steps=6, save_every=2)
-    assert verify_checkpoint(step_dir(run, 6)).ok
-    assert records.read_record(run, 6, records.QUARANTINED) is None, "the new step 6 starts its own lifecycle"
-    moved = [n for n in os.listdir(os.path.join(run, layout.DAMAGED_DIR)) if n not in aside]
-    assert len(moved) == 1
-    assert os.path.exists(os.path.join(run, layout.DAMAGED_DIR, moved[0], layout.LIFECYCLE_DIR, "quarantined.json"))
-    commits = [r for r in map(json.loads, open(os.path.join(run, layout.OUTBOX))) if r["step"] == 6]
-    assert len(commits) == 3  # the first save and both re-saves were committed, none dropped
+    aside = {layout.parse_set_aside(n): n for n in os.listdir(os.path.join(run, layout.DAMAGED_DIR))}
+    assert sorted(aside) == [4, 6]
+    notes = {
+        s: json.loads(open(os.path.join(run, layout.DAMAGED_DIR, n, layout.SET_ASIDE_NOTE)).read())
+        for s, n in aside.items()
+    }
+    assert notes[6]["found_by"] == "resume" and "checksum" in " ".join(notes[6]["reasons"])
+    assert "quarantined" in " ".join(notes[4]["reasons"])
+    assert not verify_checkpoint(os.path.join(run, layout.DAMAGED_DIR, aside[6])).ok  # kept as it was found
+    assert os.path.exists(os.path.join(run, layout.DAMAGED_DIR, aside[4], layout.LIFECYCLE_DIR, "quarantined.json"))
+    assert records.read_record(run, 4, records.QUARANTINED) is None, "the new step 4 starts its own lifecycle"
+    commits = [r["step"] for r in map(json.loads, open(os.path.join(run, layout.OUTBOX)))]
+    assert commits == [2, 4, 6, 4, 6]  # every save was committed, none dropped as "already committed"
 
 
 @pytest.mark.parametrize(
@@ -281,14 +283,11 @@ def test_fifos_and_devices_never_hang_a_reader(tiny_run, tmp_path):
     p = forked_cli(["prune", "tiny", "--dry-run"], env=env, timeout=30)
     assert p.code == 0, p.err
 
-    # The trainer's resume: a FIFO `latest` is ignored (and repaired), the FIFO manifest skipped.
-    res = subprocess.run(
-        [PY, "-m", "ckptflow.trainer.train", "--parallel", "none", "--ckpt-root", str(hot), "--run-id", "tiny",
-         "--max-steps", "6", "--save-every", "2", "--model", "tiny"],
-        cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert "resumed from" in res.stderr and layout.step_name(4) in res.stderr
+    # The trainer's resume: a FIFO `latest` is ignored, the FIFO manifest skipped (a real job restarts over a
+    # FIFO `latest` in test_a_damaged_or_quarantined_step_is_set_aside_and_its_resave_commits)
+    from ckptflow.trainer.resume import find_resume_point
+
+    assert find_resume_point(run).chosen.step == 4
 
     # Adopting: a FIFO trainer_state.json, one that is /dev/zero.
     hf = tmp_path / "src" / "checkpoint-7"

@@ -284,6 +284,13 @@ def golden(tiny_run, tmp_path_factory):
     with open(os.path.join(hf, "trainer_state.json"), "w") as f:
         json.dump({"global_step": 7}, f)
     compress_dir(os.path.join(base, "hot", RUN, layout.step_name(4)), os.path.join(base, "zipped"), codec="zstd")
+    # The bomb, refused once here: the commands forked from this process find the verdict in the parse's
+    # cache instead of each spending its second of CPU (tests/unit/test_dcpmeta.py times the refusal itself)
+    from ckptflow.trainer.errors import IntegrityError
+    from ckptflow.trainer.format.dcpmeta import loads_dcp_metadata
+
+    with pytest.raises(IntegrityError, match="pickle bomb"):
+        loads_dcp_metadata(pickle_bomb(), source="warm-up")
     return base
 
 

@@ -11,7 +11,7 @@ import pytest
 from ckptflow.trainer.errors import ConfigError, ManifestError, UnsafePathError
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.format.manifest import KEY_ENV, FileEntry, Manifest
-from tests.helpers import PY, REPO
+from tests.helpers import REPO, forked_cli
 
 
 def _m() -> Manifest:
@@ -84,26 +84,17 @@ def test_symlink_out_of_checkpoint_is_refused(tiny_run, tmp_path):
 
 
 def test_cli_verify_exit_codes(tiny_run, tmp_path):
-    import subprocess
-
-    ok = subprocess.run(
-        [PY, "-m", "ckptflow.cli.main", "verify", os.path.join(tiny_run, layout.step_name(6))],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    )
-    assert ok.returncode == 0 and ok.stdout.startswith("OK ")
+    ok = forked_cli(["verify", os.path.join(tiny_run, layout.step_name(6))], cwd=REPO)
+    assert ok.code == 0 and ok.out.startswith("OK ")
     run = tmp_path / "r"
     shutil.copytree(tiny_run, run)
     d = run / layout.step_name(6)
     shard = sorted(p for p in os.listdir(d) if p.endswith(".distcp"))[0]
     (d / shard).write_bytes(b"x")
-    bad = subprocess.run([PY, "-m", "ckptflow.cli.main", "verify", str(d)], cwd=REPO, capture_output=True, text=True)
-    assert bad.returncode == 1 and shard in bad.stderr and "size" in bad.stderr
-    js = subprocess.run(
-        [PY, "-m", "ckptflow.cli.main", "verify", "--json", str(d)], cwd=REPO, capture_output=True, text=True
-    )
-    assert json.loads(js.stdout)["ok"] is False
+    bad = forked_cli(["verify", str(d)], cwd=REPO)
+    assert bad.code == 1 and shard in bad.err and "size" in bad.err
+    js = forked_cli(["verify", "--json", str(d)], cwd=REPO)
+    assert json.loads(js.out)["ok"] is False
 
 
 def test_sanity_builder_must_be_allowed(monkeypatch):

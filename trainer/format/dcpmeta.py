@@ -122,6 +122,10 @@ PARSE_CPU_S = 1
 
 _VALIDATED: set[str] = set()
 """Digests of ``.metadata`` bytes this process has parsed within bounds already (no second child for them)."""
+_REFUSED: dict[str, str] = {}
+"""Digests of bytes the bounded parse refused (a bomb, garbage), with why: refused again at once, not after
+another second of CPU (reconcile and retries meet the same damaged checkpoint again)."""
+_CACHE_MAX = 4096
 
 
 def loads_dcp_metadata(data: bytes, *, source: str) -> Metadata:
@@ -138,8 +142,18 @@ def loads_dcp_metadata(data: bytes, *, source: str) -> Metadata:
             path=source,
         )
     key = hash_bytes(data)
+    if key in _REFUSED:
+        raise IntegrityError(f"{source}: {_REFUSED[key]}", path=source)
     if key not in _VALIDATED:
-        _parse_bounded(data, source)
+        try:
+            _parse_bounded(data, source)
+        except IntegrityError as e:  # the bytes' fault (never a ResourceError): the same bytes fail the same way
+            if len(_REFUSED) >= _CACHE_MAX:
+                _REFUSED.clear()
+            _REFUSED[key] = str(e).removeprefix(f"{source}: ")
+            raise
+        if len(_VALIDATED) >= _CACHE_MAX:
+            _VALIDATED.clear()
         _VALIDATED.add(key)
     return _loads(data, source)
 
