@@ -46,6 +46,7 @@ from typing import Any
 from ckptflow.trainer.errors import CkptflowError, ConfigError
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.fsutil import fsync_dir, rename_durable, write_durable
+from ckptflow.trainer.safeopen import read_small
 
 __all__ = ["EXPORT_RECORD", "INDEX", "ExportError", "ExportResult", "export_dir", "export_url", "upload_export"]
 
@@ -478,8 +479,7 @@ def export_stage(ref: Any) -> dict[str, Any]:
     body: dict[str, Any]
     try:
         if is_exported(warm, ref.run_id, ref.step):
-            with open(os.path.join(out, EXPORT_RECORD), "rb") as f:
-                rec = json.loads(f.read())
+            rec = json.loads(read_small(os.path.join(out, EXPORT_RECORD), 64 << 20))  # on warm: a tier's file
             body = {"location": out, "dtype": rec["dtype"], "tensors": rec["tensors"], "bytes": rec["bytes"]}
             body["shards"] = sorted(n for n in rec["files"] if n.endswith(".safetensors"))
         else:

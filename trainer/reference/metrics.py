@@ -7,10 +7,10 @@ Everything that reads the file (advise, drill plots, the demo, chaos, tests) rea
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
+from ckptflow.trainer.events import read_jsonl
 from ckptflow.trainer.format import layout
 
 
@@ -19,20 +19,9 @@ def metrics_path(run_path: str) -> str:
 
 
 def read_metrics(run_path: str) -> list[dict[str, Any]]:
-    """Every complete line, in order ([] without a file); a line torn by a kill is skipped."""
-    out = []
-    try:
-        with open(metrics_path(run_path), encoding="utf-8") as f:
-            for line in f:
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(row, dict) and isinstance(row.get("step"), int):
-                    out.append(row)
-    except FileNotFoundError:
-        pass
-    return out
+    """Every complete line, in order ([] without a file); a line torn by a kill is skipped (read as every
+    run-folder record is: a FIFO or device there is refused, never opened)."""
+    return [r for r in read_jsonl(metrics_path(run_path)) if isinstance(r.get("step"), int)]
 
 
 def last_per_step(rows: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
