@@ -17,7 +17,7 @@ from ckptflow.trainer.errors import IntegrityError, UnsafePathError, UntrustedEr
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.format.checksum import hash_file
 from ckptflow.trainer.format.manifest import Manifest, read_manifest
-from ckptflow.trainer.safeopen import file_kind
+from ckptflow.trainer.safeopen import file_kind, read_small
 
 __all__ = [
     "Problem",
@@ -164,15 +164,29 @@ def verify_checkpoint(
     res.problems.extend(p for p in found if p is not None)
     if layout.DCP_METADATA in names and not any(p.path.endswith(layout.DCP_METADATA) for p in res.problems):
         # An unsigned manifest can vouch for anything: .metadata must also parse as DCP's, or it is damage
-        from ckptflow.trainer.format.dcpmeta import read_dcp_metadata
-
-        try:
-            read_dcp_metadata(ckpt_dir)
-        except IntegrityError as e:
-            res.problems.append(Problem(os.path.join(ckpt_dir, layout.DCP_METADATA), str(e)))
+        problem = _parse_metadata(ckpt_dir, res.manifest)
+        if problem is not None:
+            res.problems.append(problem)
     res.bytes_checked = sum(e.size for _, e in todo)
     res.seconds = time.perf_counter() - t0
     return res
+
+
+def _parse_metadata(ckpt_dir: str, manifest: Manifest) -> Problem | None:
+    """``.metadata`` parsed as DCP's: the very bytes read here, their digest checked first (a signed manifest's
+    lets them be parsed in this process; ``dcpmeta``)."""
+    from ckptflow.trainer.format.checksum import hash_bytes
+    from ckptflow.trainer.format.dcpmeta import MAX_METADATA_BYTES, loads_dcp_metadata
+
+    path = os.path.join(ckpt_dir, layout.DCP_METADATA)
+    try:
+        data = read_small(path, MAX_METADATA_BYTES)
+        if hash_bytes(data) != manifest.files[layout.DCP_METADATA].checksum:
+            return Problem(path, "changed since it was checked")
+        loads_dcp_metadata(data, source=path, signed=manifest.authenticated)
+    except IntegrityError as e:
+        return Problem(path, str(e))
+    return None
 
 
 def is_node_part(manifest: Manifest) -> bool:

@@ -174,8 +174,18 @@ class VerifiedReader(FileSystemReader):
     # -- StorageReader ------------------------------------------------------------------
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._md is None:
-            data = bytes(self._read_whole(layout.DCP_METADATA, limit=MAX_METADATA_BYTES))
-            self._md = loads_dcp_metadata(data, source=os.path.join(self.ckpt_dir, layout.DCP_METADATA))
+            # the bytes copied out of the map are the ones checked and parsed (the file may change under a map)
+            data = bytes(self._map(layout.DCP_METADATA, limit=MAX_METADATA_BYTES))
+            path = self._path(layout.DCP_METADATA)
+            if data:
+                err = verify(
+                    data,
+                    Block(layout.DCP_METADATA, 0, 0, len(data), self._entry(layout.DCP_METADATA).checksum, whole=True),
+                    path,
+                )
+                if err is not None:
+                    raise err
+            self._md = loads_dcp_metadata(data, source=path, signed=self.manifest.authenticated)
         return self._md
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -281,15 +291,6 @@ class VerifiedReader(FileSystemReader):
                 path=os.path.join(self.ckpt_dir, name),
             )
         return entry
-
-    def _read_whole(self, name: str, limit: int | None = None) -> Any:
-        """The file's bytes, refused unless they match the manifest (its whole-file digest)."""
-        data = self._map(name, limit=limit)
-        if len(data):
-            err = verify(data, Block(name, 0, 0, len(data), self._entry(name).checksum, whole=True), self._path(name))
-            if err is not None:
-                raise err
-        return data
 
     def _mapped(self, name: str) -> Any:
         if name not in self._maps:

@@ -87,6 +87,9 @@ class Manifest:
     state: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
     signature: dict[str, str] | None = None
+    authenticated: bool = field(default=False, compare=False)
+    """Read with a signing key whose signature it carries: it was written by a holder of the key, and so were
+    the bytes its digests vouch for (``dcpmeta`` then parses ``.metadata`` in the caller, unbounded)."""
 
     @property
     def total_bytes(self) -> int:
@@ -147,7 +150,8 @@ class Manifest:
                 "upgrade ckptflow",
                 path=source,
             )
-        _authenticate(d, source, key if key is not None else signing_key())
+        used = key if key is not None else signing_key()
+        _authenticate(d, source, used)
         try:
             files = {}
             for name, entry in d["files"].items():
@@ -189,6 +193,7 @@ class Manifest:
                 state=dict(d.get("state") or {}),
                 extra={k: v for k, v in d.items() if k not in known},
                 signature=d.get("signature"),
+                authenticated=bool(used),
             )
         except IntegrityError:
             raise
