@@ -62,6 +62,8 @@ HF_ARGS = "training_args.bin"
 """The ``Trainer``'s arguments, pickled whole: never parsed (no restricted loader builds them) and
 never read when it resumes."""
 
+_SLACK = 64 << 20
+"""How much longer than its last item a DCP data file may be before adopt refuses it (with twice its length)."""
 _MAX_HF_STATE = 256 << 20  # trainer_state.json: the log history of a long run, never near this
 
 _STEP_IN_NAME = re.compile(r"(?:step|checkpoint|global_step|iter)[-_=]?(\d+)", re.IGNORECASE)
@@ -187,6 +189,13 @@ def _check_dcp(path: str, files: dict[str, SourceFile] | None = None) -> int:
             raise NotFinished(
                 f"{p} is {what}: the checkpoint in {path} is incomplete or still being written; "
                 "adopt it once its save has finished"
+            )
+        if size > 2 * end + _SLACK:
+            # DCP's writers end a file with its last item; one many times longer (a terabyte of holes, data
+            # appended) is not what DCP wrote, and copying it would take hours for nothing.
+            raise ConfigError(
+                f"{p} is {size} bytes, but its items end at {end}: not a file DCP wrote (swollen or appended to); "
+                "not adopting it"
             )
     ranks = {int(m.group(1)) for rel in need if (m := re.match(r"__(\d+)_", rel))}
     return max(1, len(ranks))

@@ -43,7 +43,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ckptflow.trainer.errors import CkptflowError, ConfigError
+from ckptflow.trainer.errors import CkptflowError, ConfigError, IntegrityError
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.fsutil import fsync_dir, rename_durable, write_durable
 from ckptflow.trainer.safeopen import read_small
@@ -300,7 +300,8 @@ def _load_shard(ckpt_dir: str, manifest: Any, shard: list[_Entry], arena: _Arena
         causes = [exc for exc, _trace in e.failures.values()]  # (exception, traceback) per rank
         if causes and isinstance(causes[0], CkptflowError):  # a digest mismatch names its file
             raise causes[0] from None
-        raise ExportError(f"{ckpt_dir}: DCP could not load {len(shard)} tensor(s): {str(e)[:500]}") from None
+        first = f"{type(causes[0]).__name__}: {causes[0]}" if causes else str(e).splitlines()[0]
+        raise ExportError(f"{ckpt_dir}: DCP could not load {len(shard)} tensor(s): {first[:500]}") from None
     finally:
         reader.close()
     return state
@@ -357,7 +358,13 @@ def export_dir(
         raise ExportError(
             f"{ckpt_dir}: not a DCP checkpoint (no {layout.DCP_METADATA} in its manifest); nothing to export"
         )
-    md = read_dcp_metadata(ckpt_dir)
+    try:
+        md = read_dcp_metadata(ckpt_dir)
+    except FileNotFoundError:  # listed by the manifest (checked above), gone: damage, not a path given wrong
+        path = os.path.join(ckpt_dir, layout.DCP_METADATA)
+        raise IntegrityError(
+            f"{path}: missing although the manifest lists it; the checkpoint is damaged", path=path
+        ) from None
     shard_bytes = max(1, int(shard_mb * 2**20))
     shards = plan(md, prefix=prefix, dtype=dtype, shard_bytes=shard_bytes, key_map=key_map)
     tmp = out.rstrip("/") + layout.TMP_SUFFIX

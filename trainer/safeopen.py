@@ -38,6 +38,7 @@ __all__ = [
     "open_no_links",
     "open_regular",
     "open_regular_fd",
+    "open_sized",
     "read_small",
 ]
 
@@ -155,6 +156,22 @@ def open_regular(
     """:func:`open_regular_fd` as a binary file object (``buffering`` as for ``open``: 0 unbuffered)."""
     raw = io.FileIO(open_regular_fd(path, nofollow=nofollow, what=what), "rb", closefd=True)
     return raw if buffering == 0 else io.BufferedReader(raw, buffering if buffering > 0 else io.DEFAULT_BUFFER_SIZE)
+
+
+def open_sized(path: str | os.PathLike, size: int, *, what: str = "a checkpoint") -> io.BufferedReader:
+    """:func:`open_regular`, refused unless the file is exactly ``size`` bytes (what its index says): a
+    truncated, swapped or swollen file (a terabyte of holes) is named at once, never streamed to its end."""
+    f = open_regular(path, what=what)
+    got = os.fstat(f.fileno()).st_size
+    if got != size:
+        f.close()
+        raise IntegrityError(
+            f"{os.fspath(path)}: {got} bytes, its index says {size}: truncated, replaced or damaged; not read "
+            "(restore the checkpoint from another tier)",
+            path=os.fspath(path),
+        )
+    assert isinstance(f, io.BufferedReader)
+    return f
 
 
 def read_small(path: str | os.PathLike, limit: int, *, nofollow: bool = False, what: str = "a checkpoint") -> bytes:

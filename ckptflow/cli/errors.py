@@ -25,6 +25,12 @@ def exit_code_for(exc: BaseException) -> int:
     return EXIT_ERROR
 
 
+def one_line(msg: str) -> str:
+    """An error message as the one line the CLI promises: a wrapped library error can carry a traceback."""
+    lines = [x.strip() for x in msg.strip().splitlines() if x.strip()]
+    return lines[0] + (" (...)" if len(lines) > 1 else "") if lines else msg
+
+
 def run_cli(app: typer.Typer, argv: list[str] | None = None) -> int:
     """Run the app; usage errors are typer's (exit 2), ckptflow errors become one line."""
     try:
@@ -35,7 +41,7 @@ def run_cli(app: typer.Typer, argv: list[str] | None = None) -> int:
         print("ckptflow: interrupted", file=sys.stderr)
         return 130
     except CkptflowError as e:
-        print(f"ckptflow: error: {e}", file=sys.stderr)
+        print(f"ckptflow: error: {one_line(str(e))}", file=sys.stderr)
         return exit_code_for(e)
     except FileNotFoundError as e:
         print(f"ckptflow: error: {e.strerror or e}: {e.filename}", file=sys.stderr)

@@ -413,7 +413,7 @@ class Tier:
     def set_aside_names(self, run_id: str) -> list[str]:
         """What this tier's ``_damaged/`` holds for the run (names; [] if nothing was set aside)."""
         got = self.ls_names(layout.join(layout.run_dir(self.url, run_id), layout.DAMAGED_DIR))
-        return [n for n in got if layout.parse_set_aside(n) is not None]
+        return [n for n in got if layout.parse_set_aside(n) is not None and not layout.is_aside_note(n, got)]
 
     def clean_stale(self, run_id: str, *, older_than_s: float = 3600.0) -> list[str]:
         """Remove ``step_N.tmp`` and ``step_N.deleting`` dirs older than ``older_than_s``

@@ -36,7 +36,8 @@ from ckptflow.tasks.transfer._pool import run_all
 from ckptflow.tasks.transfer.results import FaultHook, TransferResult, no_fault
 from ckptflow.trainer.errors import ConfigError, IntegrityError, ManifestError, StorageError
 from ckptflow.trainer.format import layout
-from ckptflow.trainer.format.checksum import hash_bytes, hash_file
+from ckptflow.trainer.format.checksum import hash_bytes, hash_stream
+from ckptflow.trainer.safeopen import open_sized
 
 if TYPE_CHECKING:
     from ckptflow.tasks.codec import DtypeMap
@@ -204,7 +205,8 @@ def _upload(
         # Upload the source file itself; digest it first so a damaged source is never
         # archived under a digest it does not have.
         path = ckpt.object_url(p.name)
-        digest, n = hash_file(path)
+        with open_sized(path, entry.stored_size, what=f"tier {src.name}") as f:  # a swollen file: not read
+            digest, n = hash_stream(f)
         if (n, digest) != (entry.stored_size, entry.stored_checksum):
             raise IntegrityError(
                 f"{path}: {n} B xxh3 {digest}, but the tier index says "

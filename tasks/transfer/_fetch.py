@@ -42,7 +42,7 @@ from ckptflow.trainer.errors import (
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.format.checksum import hash_file
 from ckptflow.trainer.fsutil import WRITE_ERRNOS, make_sibling_dir
-from ckptflow.trainer.safeopen import copy_fd, open_regular
+from ckptflow.trainer.safeopen import copy_fd, open_sized
 
 Progress = Callable[[int], None]
 """Called with a number of bytes just processed (from worker threads: it must be thread-safe;
@@ -184,7 +184,7 @@ def _download(
         os.makedirs(os.path.dirname(dest), exist_ok=True)
         try:
             if tier.is_local:
-                with open_regular(url, what=f"tier {tier.name}") as fi, open(dest, "wb") as fo:
+                with open_sized(url, f.stored_size, what=f"tier {tier.name}") as fi, open(dest, "wb") as fo:
                     copy_fd(fi.fileno(), fo, progress=progress)
             elif loader is not None:
                 assert tier.s3 is not None  # a loader exists only when the tier has S3 (manager above)
@@ -227,7 +227,7 @@ def _decode(
     os.makedirs(os.path.dirname(dest), exist_ok=True)
     entry = ckpt.manifest.files[name]
     try:
-        with open_regular(src_path) as f, open(dest, "wb") as out:
+        with open_sized(src_path, ckpt.index.files[name].stored_size) as f, open(dest, "wb") as out:
             sink: Any = out if progress is None else _ReportingWriter(out, progress)
             st = get_codec(ckpt.index.codec).decompress(f, sink, threads=threads, name=url)
     except FileNotFoundError:

@@ -26,7 +26,7 @@ from ckptflow.tasks.storage.tier import StoredCheckpoint, Tier
 from ckptflow.trainer.errors import CkptflowError, CodecError, IntegrityError
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.format.checksum import hash_file, new_hasher
-from ckptflow.trainer.safeopen import open_regular
+from ckptflow.trainer.safeopen import open_sized
 from ckptflow.trainer.verify import check_file
 
 log = logging.getLogger(__name__)
@@ -34,10 +34,11 @@ log = logging.getLogger(__name__)
 READ_BLOCK = 8 << 20
 
 
-def open_stored(tier: Tier, url: str) -> BinaryIO:
-    """A stored object for streaming reads (plain ``open`` on local tiers: no fsspec layer)."""
+def open_stored(tier: Tier, url: str, size: int) -> BinaryIO:
+    """A stored object of ``size`` bytes (its index's) for streaming reads: on a local tier a regular file of
+    exactly that size, opened without fsspec (``trainer.safeopen``)."""
     if tier.is_local:
-        return open_regular(url, what=f"tier {tier.name}")
+        return open_sized(url, size, what=f"tier {tier.name}")
     return tier.fs.open(url, "rb", block_size=READ_BLOCK)
 
 
@@ -60,7 +61,7 @@ def encode_file(
     entry = ckpt.index.files[name]
     src_url = ckpt.object_url(name)
     try:
-        with open_stored(src, src_url) as f:
+        with open_stored(src, src_url, entry.stored_size) as f:
             if ckpt.index.codec == codec:
                 copied = get_codec("none").compress(f, dst)
                 if (copied.stored_bytes, copied.stored_checksum) != (entry.stored_size, entry.stored_checksum):

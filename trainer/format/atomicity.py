@@ -75,13 +75,11 @@ class RenameCommit:
             names = os.listdir(run_url)
         except (FileNotFoundError, NotADirectoryError):
             return []
-        steps = [
-            s for n in names if (s := layout.parse_step(n)) is not None and os.path.isdir(os.path.join(run_url, n))
-        ]
+        steps = [s for n in names if (s := layout.parse_step(n)) is not None and _real_dir(os.path.join(run_url, n))]
         return sorted(steps, reverse=True)
 
     def is_committed(self, run_url: str, step: int) -> bool:
-        return os.path.isdir(layout.join(run_url, layout.step_name(step)))
+        return _real_dir(layout.join(run_url, layout.step_name(step)))
 
     def commit(self, run_url: str, step: int, *, marker: bytes = b"") -> str:
         tmp, final = self.staging_url(run_url, step), layout.join(run_url, layout.step_name(step))
@@ -107,12 +105,17 @@ class RenameCommit:
 
     def set_aside(self, run_url: str, step: int, note: dict[str, Any]) -> str | None:
         final = layout.join(run_url, layout.step_name(step))
-        if not os.path.isdir(final) or os.path.islink(final):
+        if os.path.islink(final):  # a link under a step's name: never committed here, in the way of one that is
+            note = dict(note, symlink_to=os.readlink(final))
+        elif not os.path.isdir(final):
             return None
         aside_root = layout.join(run_url, layout.DAMAGED_DIR)
         os.makedirs(aside_root, exist_ok=True)
         aside = layout.join(aside_root, layout.set_aside_name(step, _stamp()))
         rename_durable(final, aside)  # <- no longer committed
+        if "symlink_to" in note:  # the link moved aside, its target untouched; the note sits beside it
+            write_durable(aside + ".json", _note_bytes(step, note))
+            return aside
         # Its stage records describe this copy, not the next save of the step: they go with it. A crash right
         # here leaves them behind; the next commit of the step moves them then (retire_records).
         retire_records(run_url, step, into=aside)
@@ -129,6 +132,12 @@ class RenameCommit:
 
 RETIRED_RECORDS = "_records"
 """Under ``_damaged/``: stage records of a step's earlier copy, retired when the step committed again."""
+
+
+def _real_dir(path: str) -> bool:
+    """A folder, not a symlink to one: ckptflow commits by renaming folders it wrote, so a link under a step's
+    name (to a copy elsewhere, to another run) is never a committed checkpoint of this tier."""
+    return os.path.isdir(path) and not os.path.islink(path)
 
 
 def retire_records(run_url: str, step: int, *, into: str | None = None) -> str | None:

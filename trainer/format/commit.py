@@ -57,6 +57,10 @@ def rename_then_latest(run_path: str, step: int) -> None:
     """Steps 4-5 above, for a ``.tmp`` dir holding its manifest: the rename (the commit point), then ``latest``.
     Also a node's commit point on node-local roots (``trainer/nodes/twolevel.py``, phase 8)."""
     tmp = RENAME.staging_url(run_path, step)
+    if os.path.islink(layout.join(run_path, layout.step_name(step))):
+        set_aside(
+            run_path, step, ["a symlink under the step's name, not a folder ckptflow committed"], found_by="commit"
+        )
     if RENAME.is_committed(run_path, step) and (why := _refused_copy(run_path, step)) is not None:
         # The committed copy is one no resume would take (quarantined, damaged, a manifest this process
         # cannot trust): the new save of the step replaces it, the old one set aside and kept.
@@ -124,7 +128,7 @@ def set_aside_steps(run_path: str) -> list[str]:
         names = os.listdir(os.path.join(run_path, layout.DAMAGED_DIR))
     except (FileNotFoundError, NotADirectoryError):
         return []
-    return sorted(n for n in names if layout.parse_set_aside(n) is not None)
+    return sorted(n for n in names if layout.parse_set_aside(n) is not None and not layout.is_aside_note(n, names))
 
 
 def write_latest(run_path: str, step: int) -> None:

@@ -52,6 +52,7 @@ __all__ = [
     "TMP_SUFFIX",
     "check_member_name",
     "check_run_id",
+    "is_aside_note",
     "join",
     "lifecycle_dir",
     "parse_step",
@@ -164,6 +165,11 @@ def parse_set_aside(name: str) -> int | None:
     base = name.rstrip("/").rsplit("/", 1)[-1]
     head, dot, _ = base.partition(".")
     return parse_step(head) if dot else None
+
+
+def is_aside_note(name: str, names: list[str] | set[str]) -> bool:
+    """``name`` is the note beside a set-aside entry of ``names`` (a symlink's: a note cannot go inside it)."""
+    return name.endswith(".json") and name[: -len(".json")] in names
 
 
 def run_dir(root: str, run_id: str) -> str:
