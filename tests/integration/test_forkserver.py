@@ -57,8 +57,10 @@ def test_sanity_in_a_forked_child_is_the_fresh_process_result(tiny_run, server, 
         for key in ("probe_loss_restored", "probe_loss_recorded", "lr_restored", "step", "stats"):
             assert f[key] == fresh[key], key
     # the imports are paid once, by the server: a forked check costs much less CPU than a fresh one
-    # (CPU, not wall time: beside the rest of the suite, one forked check took 13 s of wall time)
-    assert forked[1]["process_cpu_seconds"] < fresh["process_cpu_seconds"] / 2, (forked[1], fresh)
+    # (CPU, not wall time: beside the rest of the suite, one forked check took 13 s of wall time). Alone
+    # the forked check takes 0.3x a fresh one's CPU; beside the suite on 2 cores up to 0.54x was seen
+    # (contention inflates the short forked check more): 0.6x still fails a server that saves no import.
+    assert forked[1]["process_cpu_seconds"] < fresh["process_cpu_seconds"] * 0.6, (forked[1], fresh)
 
 
 def test_expectations_in_a_child_are_the_in_process_result(tiny_run, server, monkeypatch):
