@@ -17,7 +17,7 @@ from ckptflow.trainer.distenv import gather
 from ckptflow.trainer.errors import CheckpointNotFoundError, MismatchError
 from ckptflow.trainer.format import commit, layout
 from ckptflow.trainer.format.manifest import Manifest
-from ckptflow.trainer.verify import Problem, check_present, share_of_files, verify_checkpoint
+from ckptflow.trainer.verify import Problem, files_present, share_of_files, verify_checkpoint
 
 __all__ = [
     "Candidate",
@@ -65,9 +65,7 @@ def verify_together(
             mine = share_of_files(whole.manifest, rank, world)
             found += verify_checkpoint(path, only=mine).problems
         elif rank == 0:
-            found += [
-                p for n, e in sorted(whole.manifest.files.items()) if (p := check_present(path, n, e.size)) is not None
-            ]
+            found += files_present(path, whole.manifest)
     pairs = [(str(p), p.damage) for p in found]
     if world > 1:
         pairs = sorted({p for ps in gather(pairs, group) for p in ps})

@@ -10,9 +10,9 @@ a FIFO where ``manifest.json`` should be (a plain ``open`` waits forever for a w
 3. reads small records (manifests, ``latest``, indexes, stage records, a source's JSON) with a bound: a file
    larger than its kind ever is, is refused, not read until memory runs out.
 
-``nofollow=True`` also refuses a symlink as the last component (``O_NOFOLLOW``). :func:`open_no_links` refuses
-one anywhere in the path, each component opened ``O_NOFOLLOW`` from its parent: the adopter resolves a source's
-links once, then opens what it resolved without following anything further.
+:func:`open_no_links` also refuses a symlink anywhere in the path, each component opened ``O_NOFOLLOW`` from its
+parent: the adopter resolves a source's links once, then opens what it resolved without following anything
+further.
 
 Refusals raise :class:`NotRegularFileError` (an ``IntegrityError``: what a checkpoint holds is not a file a
 checkpoint can hold) or :class:`TooLargeError`, each naming the path.
@@ -76,27 +76,24 @@ def _refuse(path: str, st: os.stat_result, what: str) -> NotRegularFileError:
     )
 
 
-def open_regular_fd(path: str | os.PathLike, *, nofollow: bool = False, what: str = "a checkpoint") -> int:
+def open_regular_fd(path: str | os.PathLike, *, what: str = "a checkpoint") -> int:
     """A read-only descriptor of ``path``, which must be a regular file (see the module docstring). The caller
     closes it. ``FileNotFoundError`` and ``PermissionError`` pass through as they are."""
     path = os.fspath(path)
-    st = os.lstat(path) if nofollow else os.stat(path)
+    st = os.stat(path)
     if not stat.S_ISREG(st.st_mode):
         raise _refuse(path, st, what)
-    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_NOFOLLOW if nofollow else 0)
-    try:
-        fd = os.open(path, flags)
-    except OSError as e:
-        if nofollow and e.errno == errno.ELOOP:  # a symlink was swapped in after the look
-            raise NotRegularFileError(
-                f"{path}: became a symlink while it was being opened; refusing to follow it", path=path
-            ) from None
-        raise
+    return _checked(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), path, what, looked=st)
+
+
+def _checked(fd: int, path: str, what: str, *, looked: os.stat_result | None = None) -> int:
+    """``fd``, opened ``O_NONBLOCK``, once it is a regular file (and the one ``looked`` at, when given), in
+    blocking mode again; closed and refused otherwise."""
     try:
         got = os.fstat(fd)
         if not stat.S_ISREG(got.st_mode):
             raise _refuse(path, got, what)
-        if (got.st_dev, got.st_ino) != (st.st_dev, st.st_ino):
+        if looked is not None and (got.st_dev, got.st_ino) != (looked.st_dev, looked.st_ino):
             raise NotRegularFileError(
                 f"{path}: was replaced while it was being opened; refusing a file it did not look at", path=path
             )
@@ -139,22 +136,14 @@ def open_no_links(path: str) -> int:
             raise
     finally:
         os.close(fd)
-    try:
-        st = os.fstat(ffd)
-        if not stat.S_ISREG(st.st_mode):
-            raise _refuse(path, st, "a checkpoint")
-        fcntl.fcntl(ffd, fcntl.F_SETFL, fcntl.fcntl(ffd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
-    except BaseException:
-        os.close(ffd)
-        raise
-    return ffd
+    return _checked(ffd, path, "a checkpoint")
 
 
 def open_regular(
-    path: str | os.PathLike, *, nofollow: bool = False, buffering: int = -1, what: str = "a checkpoint"
+    path: str | os.PathLike, *, buffering: int = -1, what: str = "a checkpoint"
 ) -> io.BufferedReader | io.FileIO:
     """:func:`open_regular_fd` as a binary file object (``buffering`` as for ``open``: 0 unbuffered)."""
-    raw = io.FileIO(open_regular_fd(path, nofollow=nofollow, what=what), "rb", closefd=True)
+    raw = io.FileIO(open_regular_fd(path, what=what), "rb", closefd=True)
     return raw if buffering == 0 else io.BufferedReader(raw, buffering if buffering > 0 else io.DEFAULT_BUFFER_SIZE)
 
 
@@ -174,9 +163,9 @@ def open_sized(path: str | os.PathLike, size: int, *, what: str = "a checkpoint"
     return f
 
 
-def read_small(path: str | os.PathLike, limit: int, *, nofollow: bool = False, what: str = "a checkpoint") -> bytes:
+def read_small(path: str | os.PathLike, limit: int, *, what: str = "a checkpoint") -> bytes:
     """All of a small regular file, at most ``limit`` bytes; a larger one is refused, not truncated."""
-    with open_regular(path, nofollow=nofollow, what=what) as f:
+    with open_regular(path, what=what) as f:
         data = f.read(limit + 1)
     if len(data) > limit:
         raise TooLargeError(

@@ -24,6 +24,7 @@ __all__ = [
     "VerifyResult",
     "check_file",
     "check_present",
+    "files_present",
     "is_node_part",
     "resolve_member",
     "share_of_files",
@@ -97,6 +98,18 @@ def check_present(ckpt_dir: str, name: str, size: int) -> Problem | None:
     if st.st_size != size:
         return Problem(path, f"size {st.st_size} != {size} in the manifest (truncated or replaced)")
     return None
+
+
+def files_present(ckpt_dir: str, manifest: Manifest, *, part: bool = False) -> list[Problem]:
+    """:func:`check_present` for every file ``manifest`` lists (the cheap checks: no byte hashed). ``part``:
+    ``ckpt_dir`` may hold one node's part of a node-local checkpoint, whose other files are elsewhere."""
+    part = part and is_node_part(manifest)
+    return [
+        p
+        for n, e in sorted(manifest.files.items())
+        if not (part and not os.path.lexists(os.path.join(ckpt_dir, *n.split("/"))))
+        and (p := check_present(ckpt_dir, n, e.size)) is not None
+    ]
 
 
 def check_file(ckpt_dir: str, name: str, size: int, checksum: str) -> Problem | None:

@@ -398,22 +398,25 @@ class Tier:
             )
         return where
 
-    def open_or_set_aside(self, run_id: str, step: int, *, found_by: str) -> StoredCheckpoint | None:
-        """The committed copy of the step here (:meth:`open_checkpoint`), or None when it is damaged and has
-        just been set aside, so the caller writes the step again. A manifest this process cannot trust
-        (``UntrustedError``: another key, a newer format) is not damage and raises."""
+    def open_or_set_aside(self, run_id: str, step: int, *, found_by: str | None) -> StoredCheckpoint | None:
+        """The committed copy of the step here (:meth:`open_checkpoint`), or None when it is damaged, so the
+        caller writes the step again; set aside now, unless ``found_by`` is None (a caller that may not move
+        it yet). A manifest this process cannot trust (``UntrustedError``: another key, a newer format) is not
+        damage and raises."""
         try:
             return self.open_checkpoint(run_id, step)
         except UntrustedError:
             raise
         except IntegrityError as e:
-            self.set_aside(run_id, step, [str(e)], found_by=found_by)
+            if found_by is not None:
+                self.set_aside(run_id, step, [str(e)], found_by=found_by)
             return None
 
     def set_aside_names(self, run_id: str) -> list[str]:
         """What this tier's ``_damaged/`` holds for the run (names; [] if nothing was set aside)."""
-        got = self.ls_names(layout.join(layout.run_dir(self.url, run_id), layout.DAMAGED_DIR))
-        return [n for n in got if layout.parse_set_aside(n) is not None and not layout.is_aside_note(n, got)]
+        return layout.set_aside_entries(
+            self.ls_names(layout.join(layout.run_dir(self.url, run_id), layout.DAMAGED_DIR))
+        )
 
     def clean_stale(self, run_id: str, *, older_than_s: float = 3600.0) -> list[str]:
         """Remove ``step_N.tmp`` and ``step_N.deleting`` dirs older than ``older_than_s``

@@ -151,8 +151,7 @@ def _destination(dst_dir: str, *ours: str) -> Iterator[None]:
     except OSError as e:
         if isinstance(e, CkptflowError) and not isinstance(e, StorageError):
             raise
-        name = os.fspath(e.filename) if isinstance(e.filename, (str, bytes, os.PathLike)) else ""
-        name = os.fsdecode(name)
+        name = os.fsdecode(e.filename) if isinstance(e.filename, (str, bytes, os.PathLike)) else ""
         if e.errno in WRITE_ERRNOS or any(name == d or name.startswith(d + os.sep) for d in ours):
             raise DestinationError(
                 f"{dst_dir}: cannot write the checkpoint there ({e.strerror or e}); free space or choose another "

@@ -31,7 +31,7 @@ from ckptflow.tasks.storage.tier import StoredCheckpoint, Tier
 from ckptflow.tasks.transfer import _streams as streams
 from ckptflow.tasks.transfer._pool import run_all
 from ckptflow.tasks.transfer.results import FaultHook, TransferResult, no_fault
-from ckptflow.trainer.errors import ConfigError, IntegrityError, ManifestError, StorageError, UntrustedError
+from ckptflow.trainer.errors import ConfigError, IntegrityError, ManifestError, StorageError
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.format.checksum import hash_bytes
 from ckptflow.trainer.format.manifest import MAX_MANIFEST_BYTES
@@ -245,15 +245,7 @@ def _already_committed(dst: Tier, ckpt: StoredCheckpoint, t0: float, *, locked: 
     promotes it again). ``locked``: the caller holds the step's staging lock, so no other promote can commit
     the step meanwhile, and the damaged copy is set aside now (never without the lock: it could be another
     promote's fresh commit)."""
-    if locked:
-        there = dst.open_or_set_aside(ckpt.run_id, ckpt.step, found_by="promote")
-    else:
-        try:
-            there = dst.open_checkpoint(ckpt.run_id, ckpt.step)
-        except UntrustedError:
-            raise
-        except IntegrityError:
-            there = None
+    there = dst.open_or_set_aside(ckpt.run_id, ckpt.step, found_by="promote" if locked else None)
     if there is None:
         return None
     if hash_bytes(there.manifest_bytes) != hash_bytes(ckpt.manifest_bytes):

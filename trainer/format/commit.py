@@ -57,13 +57,9 @@ def rename_then_latest(run_path: str, step: int) -> None:
     """Steps 4-5 above, for a ``.tmp`` dir holding its manifest: the rename (the commit point), then ``latest``.
     Also a node's commit point on node-local roots (``trainer/nodes/twolevel.py``, phase 8)."""
     tmp = RENAME.staging_url(run_path, step)
-    if os.path.islink(layout.join(run_path, layout.step_name(step))):
-        set_aside(
-            run_path, step, ["a symlink under the step's name, not a folder ckptflow committed"], found_by="commit"
-        )
-    if RENAME.is_committed(run_path, step) and (why := _refused_copy(run_path, step)) is not None:
-        # The committed copy is one no resume would take (quarantined, damaged, a manifest this process
-        # cannot trust): the new save of the step replaces it, the old one set aside and kept.
+    if (why := _refused_copy(run_path, step)) is not None:
+        # What holds the step's name is one no resume would take (a symlink; quarantined, damaged, a manifest
+        # this process cannot trust): the new save of the step replaces it, the old one set aside and kept.
         set_aside(run_path, step, [why], found_by="commit")
     if not RENAME.is_committed(run_path, step):
         retire_records(run_path, step)  # records of an earlier copy of this step, no longer committed
@@ -88,24 +84,21 @@ def rename_then_latest(run_path: str, step: int) -> None:
 
 
 def _refused_copy(run_path: str, step: int) -> str | None:
-    """Why the committed copy of ``step`` is not one a resume would take (cheap checks: quarantine, the
-    manifest read and authenticated for this step, every file there at its size), or None."""
-    from ckptflow.trainer.verify import check_present, is_node_part, verify_checkpoint
+    """Why what holds ``step``'s name is not a copy a resume would take (a symlink; cheap checks of a committed
+    copy: quarantine, the manifest read and authenticated for this step, every file there at its size), or
+    None (nothing there, or a copy that checks out)."""
+    from ckptflow.trainer.verify import files_present, verify_checkpoint
 
+    path = layout.join(run_path, layout.step_name(step))
+    if os.path.islink(path):
+        return "a symlink under the step's name, not a folder ckptflow committed"
+    if not RENAME.is_committed(run_path, step):
+        return None
     if is_quarantined(run_path, step):
         return "quarantined by the lifecycle's verify stage"
-    path = layout.join(run_path, layout.step_name(step))
     res = verify_checkpoint(path, only=[], expect=(os.path.basename(run_path), step))
-    problems = [str(p) for p in res.problems]
-    if res.manifest is not None and not problems:
-        part = is_node_part(res.manifest)  # a node holds its part: the others' files are elsewhere, not missing
-        problems = [
-            str(p)
-            for n, e in sorted(res.manifest.files.items())
-            if not (part and not os.path.lexists(os.path.join(path, *n.split("/"))))
-            and (p := check_present(path, n, e.size))
-        ]
-    return "; ".join(problems) or None
+    problems = res.problems or (files_present(path, res.manifest, part=True) if res.manifest else [])
+    return "; ".join(str(p) for p in problems) or None
 
 
 def set_aside(run_path: str, step: int, reasons: list[str], *, found_by: str) -> str | None:
@@ -128,7 +121,7 @@ def set_aside_steps(run_path: str) -> list[str]:
         names = os.listdir(os.path.join(run_path, layout.DAMAGED_DIR))
     except (FileNotFoundError, NotADirectoryError):
         return []
-    return sorted(n for n in names if layout.parse_set_aside(n) is not None and not layout.is_aside_note(n, names))
+    return layout.set_aside_entries(names)
 
 
 def write_latest(run_path: str, step: int) -> None:

@@ -52,7 +52,6 @@ __all__ = [
     "TMP_SUFFIX",
     "check_member_name",
     "check_run_id",
-    "is_aside_note",
     "join",
     "lifecycle_dir",
     "parse_step",
@@ -61,6 +60,7 @@ __all__ = [
     "parse_set_aside",
     "quarantine_record",
     "run_dir",
+    "set_aside_entries",
     "set_aside_name",
     "stage_record",
     "step_dir",
@@ -167,9 +167,12 @@ def parse_set_aside(name: str) -> int | None:
     return parse_step(head) if dot else None
 
 
-def is_aside_note(name: str, names: list[str] | set[str]) -> bool:
-    """``name`` is the note beside a set-aside entry of ``names`` (a symlink's: a note cannot go inside it)."""
-    return name.endswith(".json") and name[: -len(".json")] in names
+def set_aside_entries(names: list[str]) -> list[str]:
+    """The set-aside checkpoints among the names in a ``_damaged/`` folder: not its retired records, not the
+    note beside a set-aside symlink (a note cannot go inside one)."""
+    return sorted(
+        n for n in names if parse_set_aside(n) is not None and not (n.endswith(".json") and n[: -len(".json")] in names)
+    )
 
 
 def run_dir(root: str, run_id: str) -> str:
