@@ -19,7 +19,7 @@ SCRIPT = textwrap.dedent("""
     import torch
     from ckptflow.trainer.config import CheckpointConfig, Provenance, SanitySpec
     from ckptflow.trainer.checkpointer import CheckpointManager
-    from ckptflow.trainer.distenv import init_distributed, shutdown
+    from ckptflow.trainer.distenv import exit_process, init_distributed, shutdown
     from ckptflow.trainer.reference.build import BUILDER, TrainConfig, build
     from ckptflow.trainer.reference.model import ModelConfig, lm_loss
 
@@ -50,6 +50,7 @@ SCRIPT = textwrap.dedent("""
     if env.rank == 0:
         print("live_calls", len(calls))
     shutdown(env)
+    exit_process(0)  # no interpreter finalization racing gloo's threads (a SIGABRT seen in CI)
 """)
 
 
@@ -92,7 +93,7 @@ NEXT_STEP = textwrap.dedent("""
     import torch
     from ckptflow.trainer.config import CheckpointConfig, Provenance, SanitySpec
     from ckptflow.trainer.checkpointer import CheckpointManager
-    from ckptflow.trainer.distenv import init_distributed, shutdown
+    from ckptflow.trainer.distenv import exit_process, init_distributed, shutdown
     from ckptflow.trainer.reference.build import BUILDER, TrainConfig, build
     from ckptflow.trainer.reference.data import GlobalSampler
     from ckptflow.trainer.reference.model import ModelConfig, lm_loss
@@ -130,6 +131,7 @@ NEXT_STEP = textwrap.dedent("""
     if env.rank == 0:
         print("live_calls", len(calls))
     shutdown(env)
+    exit_process(0)  # no interpreter finalization racing gloo's threads (a SIGABRT seen in CI)
 """)
 
 

@@ -46,7 +46,7 @@ def test_slow_write_still_saves_the_state_of_its_step(tmp_path):
 
 SCRIPT = textwrap.dedent("""
     import os, torch, torch.distributed.checkpoint as dcp
-    from ckptflow.trainer.distenv import init_distributed, shutdown
+    from ckptflow.trainer.distenv import exit_process, init_distributed, shutdown
     from ckptflow.trainer.saver import AsyncSaver, SaveRequest
     from ckptflow.trainer.format.manifest import Manifest
     env = init_distributed()
@@ -68,6 +68,7 @@ SCRIPT = textwrap.dedent("""
     # "terminate called without an active exception") after every check had passed.
     saver.close()
     shutdown(env)
+    exit_process(0)
 """)
 
 

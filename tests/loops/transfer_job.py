@@ -58,3 +58,6 @@ def main(rank: int, world: int, addr: str, port: int, root: str, size: int, time
 if __name__ == "__main__":
     a = sys.argv[1:]
     main(int(a[0]), int(a[1]), a[2], int(a[3]), a[4], int(a[5]), float(a[6]))
+    from ckptflow.trainer.distenv import exit_process
+
+    exit_process(0)  # no interpreter finalization racing gloo's threads
