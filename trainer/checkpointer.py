@@ -24,7 +24,8 @@ from ckptflow.trainer.loader import Reshard
 from ckptflow.trainer.nodes.topology import Topology, discover, single
 from ckptflow.trainer.nodes.twolevel import recover
 from ckptflow.trainer.probe import NextStepLoss, fixed_batch_record, next_step_record, none_recorded
-from ckptflow.trainer.restore import LoadResult, Resume, resume
+from ckptflow.trainer.recall import Recall, find_recall
+from ckptflow.trainer.restore import LoadResult, Resume, refuse_second_history, resume
 from ckptflow.trainer.saver import AsyncSaver, SaveRequest
 from ckptflow.trainer.state import LAYOUT, TrainState, build_save_state, rank_state, shared_state
 
@@ -56,6 +57,11 @@ def _agree(cfg: CheckpointConfig, env: DistEnv) -> None:
         )
 
 
+def _config_path(tiers: str) -> str | None:
+    """``CheckpointConfig.tiers`` as the config lookup takes it: ``auto`` is the CLI's own lookup (None)."""
+    return None if tiers == "auto" else tiers
+
+
 class CheckpointManager:
     def __init__(
         self,
@@ -71,6 +77,7 @@ class CheckpointManager:
         sanity: SanitySpec | None = None,
         env: DistEnv | None = None,
         reshard_state: Reshard | None = None,
+        recall: Recall | None = None,
     ) -> None:
         self.cfg = cfg
         self.state = TrainState(
@@ -83,6 +90,9 @@ class CheckpointManager:
         ``extra`` state that differed between the saving ranks (``trainer/loader.py``)."""
         self.env = env or init_distributed()
         self.run_path = os.path.abspath(layout.run_dir(cfg.root, cfg.run_id))
+        self.recall: Recall | None = recall
+        """The tiers a resume looks in beyond ``root`` (``trainer/recall.py``), or None; unless given, found by
+        ``load()`` from ``cfg.tiers`` (a training process that never resumes never reads a config)."""
         self.last_load: LoadResult | None = None
         self._code_version = provenance.code_version or code_version()
         # api_url None: PREFECT_API_URL; "": events off
@@ -145,7 +155,12 @@ class CheckpointManager:
     # -- public API -------------------------------------------------------------------
     def load(self) -> int:
         """Resume from the newest committed checkpoint that verifies; returns its step (0: fresh)."""
-        if not self.cfg.enabled or self.cfg.resume == "never":
+        if not self.cfg.enabled:
+            return 0
+        if self.recall is None and self.cfg.tiers != "none":
+            self.recall = find_recall(_config_path(self.cfg.tiers))
+        if self.cfg.resume == "never":
+            refuse_second_history(self.run_path, self.env, self.recall, wait_s=self.cfg.tiers_wait_s)
             return 0
         t0 = time.perf_counter()
         self.last_load = resume(
@@ -157,6 +172,8 @@ class CheckpointManager:
                 required=self.cfg.resume == "required",
                 allow_mismatch=self.cfg.allow_mismatch,
                 reshard_state=self.reshard_state,
+                recall=self.recall,
+                tiers_wait_s=self.cfg.tiers_wait_s,
             ),
             self.state,
         )

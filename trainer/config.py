@@ -68,6 +68,13 @@ class CheckpointConfig:
     replicas: int = 2
     """Node-local roots: how many nodes hold each shard file (the writer's node and the next ones on a ring), so
     a lost node loses no checkpoint. 1 turns replication off."""
+    tiers: str = "auto"
+    """Where a resume looks beyond ``root`` (``trainer/recall.py``): ``auto``, the warm and cold tiers of the
+    ckptflow config the CLI reads ($CKPTFLOW_CONFIG, ./ckptflow.toml; none without one); a config file's path;
+    ``none``, the hot root alone. A run whose hot copy is gone resumes from warm, else cold."""
+    tiers_wait_s: float = 60.0
+    """How long a resume retries a tier it cannot list (1, 2, 4... s apart). With the hot root empty it then
+    stops, naming the tier, rather than start at step 0."""
 
     def __post_init__(self) -> None:
         layout.check_run_id(self.run_id)
@@ -102,6 +109,10 @@ class CheckpointConfig:
             raise ConfigError(f"CheckpointConfig.async_mode={self.async_mode!r}; choose one of {ASYNC_MODES}")
         if self.resume not in ("auto", "never", "required"):
             raise ConfigError(f"CheckpointConfig.resume={self.resume!r}; choose auto, never or required")
+        if not isinstance(self.tiers, str) or not self.tiers:
+            raise ConfigError(f"CheckpointConfig.tiers={self.tiers!r}: 'auto', 'none' or a config file's path")
+        if not isinstance(self.tiers_wait_s, (int, float)) or not 0 <= self.tiers_wait_s < float("inf"):
+            raise ConfigError(f"CheckpointConfig.tiers_wait_s={self.tiers_wait_s!r} must be a number of seconds >= 0")
         if self.on_save_error not in ("raise", "continue"):
             raise ConfigError(f"CheckpointConfig.on_save_error={self.on_save_error!r}; choose raise or continue")
 

@@ -4,26 +4,39 @@ One shared root: candidates newest first (``resume.py``), each verified as it is
 that fails on any rank fails on all, and they try the next older one together. Node-local roots: the nodes
 agree on the newest recoverable step, each fetches what it lacks from a peer's replica (``nodes/``), then the
 same load. Mismatched provenance is refused unless allowed; a wrong ``latest`` is repaired.
+
+With tiers beyond the hot root (``trainer/recall.py``): rank 0 lists them once (bounded retries) and shares
+the answer; a step they hold that is newer than every good step on hot is brought into the hot root, verified,
+and loaded like a hot one. Hot empty and a tier unreachable: stop, naming the tier, rather than start at 0.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ckptflow.trainer.config import Provenance
-from ckptflow.trainer.distenv import DistEnv
-from ckptflow.trainer.errors import IntegrityError, LoadError
-from ckptflow.trainer.format import commit
+from ckptflow.trainer.distenv import DistEnv, gather
+from ckptflow.trainer.errors import CheckpointNotFoundError, CkptflowError, ConfigError, IntegrityError, LoadError
+from ckptflow.trainer.format import commit, layout
 from ckptflow.trainer.format.manifest import Manifest
 from ckptflow.trainer.loader import Reshard, files_read, load_target, load_verified
 from ckptflow.trainer.nodes.topology import Topology
 from ckptflow.trainer.nodes.twolevel import not_recoverable_error, resume_point
-from ckptflow.trainer.resume import check_provenance, find_resume_point, no_checkpoint_error, only_set_aside_error
+from ckptflow.trainer.recall import Brought, Recall, TierUnreachableError, steps_with_retries
+from ckptflow.trainer.resume import (
+    ResumeReport,
+    check_provenance,
+    find_resume_point,
+    no_checkpoint_error,
+    only_set_aside_error,
+)
 from ckptflow.trainer.state import TrainState
 
-__all__ = ["LoadResult", "Resume", "resume"]
+__all__ = ["LoadResult", "Resume", "refuse_second_history", "resume"]
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +49,8 @@ class LoadResult:
     mismatches: list[str] = field(default_factory=list)
     fetched: list[tuple[str, str, str]] = field(default_factory=list)
     """Node-local roots: (file, from node, to node) for every file brought over the network."""
+    brought: Brought | None = None
+    """The checkpoint resumed from was brought back from a tier beyond the hot root (warm, cold)."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +65,10 @@ class Resume:
     """No checkpoint to resume from is an error (``resume="required"``)."""
     allow_mismatch: bool
     reshard_state: Reshard | None = None
+    recall: Recall | None = None
+    """The tiers beyond the hot root (``trainer/recall.py``); None: the hot root alone."""
+    tiers_wait_s: float = 60.0
+    """How long rank 0 retries a tier it cannot list before the resume decides without it."""
 
 
 def resume(r: Resume, state: TrainState) -> LoadResult:
@@ -77,6 +96,11 @@ def _resume_shared(r: Resume, load: Callable[[str, Manifest], object]) -> LoadRe
     damaged: list[tuple[int, str]] = []
     after: int | None = None
     mism: list[str] = []
+    held: dict[int, list[str]] = {}
+    unreachable: TierUnreachableError | None = None
+    listed = False
+    tried: set[int] = set()  # steps brought back (or tried): never fetched twice
+    brought: Brought | None = None
     while True:
         # Cheap checks here (manifest, files present with their sizes); the load verifies every byte as it
         # reads, and a mismatch fails it on every rank, so all move on to the next older one together.
@@ -85,6 +109,20 @@ def _resume_shared(r: Resume, load: Callable[[str, Manifest], object]) -> LoadRe
         )
         skipped += [x for x in rep.skipped if x not in skipped]
         damaged += [x for x in rep.damaged if x not in damaged]
+        if not listed and _look_beyond(r, rep):
+            held, unreachable = _tier_steps(r)
+            listed = True
+        on_hot = rep.chosen.step if rep.chosen is not None else -1
+        newer = [s for s in held if s > on_hot and (after is None or s < after) and s not in tried]
+        if newer:  # a tier holds a newer step than any good one here: bring it back, then look again
+            step = max(newer)
+            tried.add(step)
+            got, why = _bring_agreed(r, step, {s for s, _ in damaged})
+            if got is None:
+                skipped.append((f"{r.recall.describe() if r.recall else ''} step {step}", why))
+            else:
+                brought = got
+            continue
         if rep.chosen is None:
             break
         mism = _mismatches(r, rep.chosen.manifest, rep.chosen.path)
@@ -100,6 +138,8 @@ def _resume_shared(r: Resume, load: Callable[[str, Manifest], object]) -> LoadRe
         if env.rank == 0:
             log.warning("resume: skipping %s: %s", path, why)
     if rep.chosen is None:
+        if unreachable is not None:
+            raise unreachable
         if r.required or skipped:
             # Checkpoints exist but none verifies: starting over silently would discard training; ask the operator
             raise no_checkpoint_error(r.run_path, skipped)
@@ -107,19 +147,131 @@ def _resume_shared(r: Resume, load: Callable[[str, Manifest], object]) -> LoadRe
         if aside:  # every checkpoint was set aside as damaged earlier: still not a reason to start over silently
             raise only_set_aside_error(r.run_path, aside)
         return LoadResult(0, None)
+    if unreachable is not None and env.rank == 0:
+        log.warning("resume: %s; going on from step %d on the hot root", unreachable, rep.chosen.step)
     for m in mism:
         log.warning("resume despite mismatch (allow_mismatch): %s", m)
     if env.rank == 0:
         # Damaged means no longer committed: what this resume passed over is set aside, so the saves that
         # replay those steps commit (not dropped as "already committed" beside a damaged copy).
         for step, why in damaged:
-            if step > rep.chosen.step:
+            if step > rep.chosen.step and os.path.isdir(os.path.join(r.run_path, layout.step_name(step))):
                 _set_aside(r.run_path, step, why, "resume")
         if rep.latest_was != rep.chosen.step:
             log.warning("resume: 'latest' named %s; repaired to step %d", rep.latest_was, rep.chosen.step)
             commit.write_latest(r.run_path, rep.chosen.step)
-        log.info("resumed from %s (step %d)", rep.chosen.path, rep.chosen.step)
-    return LoadResult(rep.chosen.step, rep.chosen.path, skipped, mism)
+        if brought is not None and brought.step == rep.chosen.step:
+            log.info(
+                "resumed from step %d brought back from the %s tier (%s): %d files, %d bytes in %.2f s",
+                brought.step,
+                brought.tier,
+                brought.uri,
+                brought.files,
+                brought.bytes_fetched,
+                brought.seconds,
+            )
+        else:
+            log.info("resumed from %s (step %d)", rep.chosen.path, rep.chosen.step)
+    mine = brought if brought is not None and brought.step == rep.chosen.step else None
+    return LoadResult(rep.chosen.step, rep.chosen.path, skipped, mism, brought=mine)
+
+
+def _look_beyond(r: Resume, rep: ResumeReport) -> bool:
+    """Whether the tiers beyond hot must be listed: hot has no good checkpoint, or the one it has is not the
+    run's ``latest`` (something newer was passed over or is missing). A commit never moves ``latest`` back, so
+    a good ``latest`` on hot is the run's newest: the common resume makes no call to warm or cold. Rank 0's
+    answer, shared: ``latest`` is read by each rank."""
+    if r.recall is None:
+        return False
+    need = rep.chosen is None or bool(rep.skipped) or rep.latest_was != rep.chosen.step
+    return bool(gather(need, r.env.ckpt_group)[0]) if r.env.world_size > 1 else need
+
+
+def _tier_steps(r: Resume) -> tuple[dict[int, list[str]], TierUnreachableError | None]:
+    """Rank 0 lists the tiers beyond hot (bounded retries); every rank gets its answer, so all branch alike."""
+    if r.recall is None:
+        return {}, None
+    answer: tuple[dict[int, list[str]], str | None] = ({}, None)
+    if r.env.rank == 0:
+        try:
+            answer = (steps_with_retries(r.recall, os.path.basename(r.run_path), wait_s=r.tiers_wait_s), None)
+        except TierUnreachableError as e:
+            answer = ({}, str(e))
+    if r.env.world_size > 1:
+        answer = gather(answer, r.env.ckpt_group)[0]
+    held, err = answer
+    if err is None:
+        return held, None
+    return held, TierUnreachableError(
+        f"{err}. Not starting {r.run_path} over at step 0 while its checkpoints there are unknown: make the tier "
+        "reachable and start again, or, to resume from the hot root alone, set CheckpointConfig.tiers='none'"
+    )
+
+
+def _bring_agreed(r: Resume, step: int, damaged_here: set[int]) -> tuple[Brought | None, str]:
+    """Rank 0 brings ``step`` back into the hot root while every rank waits in short agreed rounds (no one
+    collective outlasts the group's timeout however long the fetch); all learn the outcome together."""
+    env = r.env
+    box: list[tuple[Brought | None, str]] = []
+
+    def work() -> None:
+        try:
+            box.append((_bring(r, step, damaged_here), ""))
+        except CkptflowError as e:
+            box.append((None, str(e)))
+        except Exception as e:  # noqa: BLE001 - any failure must reach the other ranks, not hang them
+            box.append((None, f"{type(e).__name__}: {e}"))
+
+    t = threading.Thread(target=work, name=f"ckptflow-bring-{step}", daemon=True) if env.rank == 0 else None
+    if t is not None:
+        t.start()
+    while True:
+        if t is not None:
+            t.join(timeout=min(10.0, env.ckpt_timeout_s / 4))
+        mine = box[0] if box else None
+        outcome: tuple[Brought | None, str] | None = gather(mine, env.ckpt_group)[0] if env.world_size > 1 else mine
+        if outcome is not None:
+            return outcome
+
+
+def _bring(r: Resume, step: int, damaged_here: set[int]) -> Brought:
+    assert r.recall is not None
+    step_dir = os.path.join(r.run_path, layout.step_name(step))
+    if os.path.lexists(step_dir):
+        if step not in damaged_here:  # another key's checkpoint, a newer format: not this resume's to replace
+            raise ConfigError(f"{step_dir} is there and is not damaged; not replacing it with the tiers' copy")
+        commit.set_aside(r.run_path, step, ["replaced by the copy on the tiers"], found_by="resume")
+    return r.recall.bring(os.path.basename(r.run_path), step, step_dir)
+
+
+def refuse_second_history(run_path: str, env: DistEnv, recall: Recall | None, *, wait_s: float) -> None:
+    """``resume="never"`` under a run id that holds committed checkpoints (hot, or the tiers): its saves would
+    take the names of steps already there, two histories under one id. Refused at start, on every rank."""
+    found: list[str] = []
+    if env.rank == 0:
+        steps = commit.committed_steps(run_path)
+        if steps:
+            found.append(f"hot ({run_path}): steps {_shown(steps)}")
+        if recall is not None:
+            try:
+                held = steps_with_retries(recall, os.path.basename(run_path), wait_s=wait_s)
+            except TierUnreachableError as e:
+                found.append(f"{e} (it may hold some)")
+            else:
+                if held:
+                    found.append(f"{recall.describe()}: steps {_shown(sorted(held, reverse=True))}")
+    if env.world_size > 1:
+        found = gather(found, env.ckpt_group)[0]
+    if found:
+        raise ConfigError(
+            f"resume='never' but run {os.path.basename(run_path)} already has checkpoints ({'; '.join(found)}); "
+            "starting over would write a second history under the same run id. Use a new run id, or "
+            "resume='auto' to go on from the newest"
+        )
+
+
+def _shown(steps: list[int]) -> str:
+    return ", ".join(map(str, steps[:4])) + (f" (+{len(steps) - 4} more)" if len(steps) > 4 else "")
 
 
 def _set_aside(run_path: str, step: int, why: str, found_by: str) -> None:
@@ -147,6 +299,16 @@ def _resume_nodes(r: Resume, state: TrainState, load: Callable[[str, Manifest], 
         for step, why in rep.skipped:
             log.warning("resume: skipping %s: %s", step, why)
     if rep.step is None or rep.manifest is None:
+        held, unreachable = _tier_steps(r)
+        if unreachable is not None:
+            raise unreachable
+        if held:  # never start over while the tiers hold the run
+            raise CheckpointNotFoundError(
+                f"no node's root holds a checkpoint of {r.run_path}, but {r.recall.describe() if r.recall else ''} "
+                f"hold steps {_shown(sorted(held, reverse=True))}; bringing one back onto node-local roots is not "
+                f"automatic yet: on every node run 'ckptflow restore {os.path.basename(r.run_path)} --step "
+                f"{max(held)} --to {r.run_path}/{layout.step_name(max(held))}', then start the job again"
+            )
         if r.required or rep.skipped:
             raise not_recoverable_error(r.run_path, rep.skipped)
         if rep.set_aside:  # agreed: every rank has every node's answer

@@ -36,7 +36,7 @@ from tests.helpers import Ran, forked, forked_cli, pickle_bomb
 
 ROOT = os.geteuid() == 0
 RUN = "tiny"
-SEEDS = range(24)
+SEEDS = range(16)
 BOUND_S = 45.0
 """Every command on these 2 MB checkpoints finishes in well under a second or two; a minute means a hang."""
 

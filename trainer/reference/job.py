@@ -68,6 +68,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(next-step; SanitySpec.reference)",
     )
     p.add_argument(
+        "--resume",
+        default="auto",
+        choices=["auto", "never", "required"],
+        help="auto: go on from the newest checkpoint that verifies, on hot or the tiers; never: start at step 0 "
+        "(refused where the run id has checkpoints); required: fail without one",
+    )
+    p.add_argument(
+        "--tiers",
+        default="auto",
+        help="where a resume looks beyond --ckpt-root: auto (the config the CLI reads), a config path, or none",
+    )
+    p.add_argument("--tiers-wait-s", type=float, default=60.0, help="how long a resume retries a tier it cannot list")
+    p.add_argument(
         "--allow-mismatch", action="store_true", help="resume even if the config hash or data fingerprint differs"
     )
     p.add_argument("--on-save-error", default="raise", choices=["raise", "continue"])
@@ -131,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
             async_mode=args.async_mode,
             enabled=not args.no_save,
             allow_mismatch=args.allow_mismatch,
+            resume=args.resume,
+            tiers=args.tiers,
+            tiers_wait_s=args.tiers_wait_s,
             on_save_error=args.on_save_error,
             hot_scope=args.hot_scope,
             replicas=args.replicas,
