@@ -10,12 +10,14 @@ from __future__ import annotations
 import logging
 import shutil
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ckptflow.tasks.config import find_config_file, load_config
-from ckptflow.tasks.storage import Tier, open_tiers
-from ckptflow.tasks.transfer import restore
 from ckptflow.trainer.errors import CheckpointNotFoundError
 from ckptflow.trainer.recall import Brought
+
+if TYPE_CHECKING:
+    from ckptflow.tasks.storage import Tier
 
 __all__ = ["TierRecall", "from_config"]
 
@@ -44,6 +46,8 @@ class TierRecall:
         return held
 
     def bring(self, run_id: str, step: int, step_dir: str) -> Brought:
+        from ckptflow.tasks.transfer import restore
+
         try:
             got = restore(self.tiers, run_id, step_dir, step=step, holder="ckptflow resume")
         except CheckpointNotFoundError:
@@ -66,6 +70,8 @@ def from_config(config: str | None) -> TierRecall | None:
     """The recall for the config file ``config`` (None: the CLI's lookup), or None when no file is found or it
     configures no tier beyond hot."""
     if find_config_file(config) is None:
-        return None
+        return None  # every training process asks: without a config file it pays no import of the tiers
+    from ckptflow.tasks.storage import open_tiers
+
     tiers = open_tiers(load_config(config))[1:]
     return TierRecall(tiers) if tiers else None

@@ -114,6 +114,14 @@ def demo(
         )
     if d.get("plot"):
         con.print(f"drill plot: {d['plot']}")
+    w = getattr(out, "way_back", None)
+    if w is not None and w.step is not None:
+        con.print(
+            f"the way back: hot wiped and warm offline; step {w.step} brought back from {w.tier} by the job itself "
+            f"({w.bytes_fetched / 1e6:.1f} MB fetched; the job's whole run {w.seconds:.1f} s); steps "
+            f"{w.steps[0]}-{w.steps[-1]} {'[green]bitwise equal[/]' if w.bitwise else '[red]differ from[/]'} "
+            "to the run before"
+        )
     for p in out.problems:
         con.print(f"[red]problem:[/] {p}")
     con.print(

@@ -14,6 +14,7 @@ Everything started is stopped on the way out, Ctrl-C included.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -37,6 +38,8 @@ OTHER_RUN = "other-tool"
 """The run the adopted checkpoint joins: one written by plain ``dcp.save``, as another tool would."""
 OTHER_STEP = 100
 BUCKET = "ckptflow-demo"
+WAY_BACK_STEPS = 4
+"""Steps the job trains after it comes back from cold, compared with the run before."""
 
 OTHER_TOOL = """
 import sys, torch, torch.distributed.checkpoint as dcp
@@ -69,6 +72,8 @@ class DemoOutcome:
     replay_identical: tuple[int, int] = (0, 0)
     resumed: list[str] = field(default_factory=list)
     """The node demo: how each node resumed (from which step, what it fetched from which peer)."""
+    way_back: Any = None
+    """The hot tier lost, the job back from cold (``demo/wayback.py``)."""
     seconds: float = 0.0
     ok: bool = False
     problems: list[str] = field(default_factory=list)
@@ -269,6 +274,22 @@ def run_demo(s: DemoSettings, say: Callable[[str], None] = print) -> DemoOutcome
         except DrillFailed as e:
             out.drill = {"ok": False, "error": str(e)}
             out.problems.append(str(e))
+        if steps:
+            from ckptflow.demo.wayback import way_back
+
+            out.way_back = way_back(
+                root=os.path.join(wd, "hot"),
+                warm=os.path.join(wd, "warm"),
+                run_id=RUN_ID,
+                last=max(steps),
+                more=WAY_BACK_STEPS,
+                model=s.model,
+                env=env,
+                log_dir=logs,
+                say=say,
+            )
+            if not out.way_back.ok:
+                out.problems.append(f"the way back: {out.way_back.problem}")
     names = lifecycle_names(RUN_ID, [c["step"] for c in out.checkpoints])
     out.problems += lifecycle_problems(names + lifecycle_names(OTHER_RUN, [OTHER_STEP]), out.lifecycle_states)
     out.seconds = time.monotonic() - t0
@@ -286,6 +307,7 @@ def run_demo(s: DemoSettings, say: Callable[[str], None] = print) -> DemoOutcome
                 "seconds": out.seconds,
                 "resumed_from": out.training.resumed_from if out.training else None,
                 "killed_at_step": out.training.killed_at_step if out.training else None,
+                "way_back": dataclasses.asdict(out.way_back) if out.way_back is not None else None,
             },
             f,
             indent=1,

@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import os
 import shutil
+import sys
 from collections.abc import Callable
 
 from ckptflow.tasks.adopt import is_adopted, parse_check
@@ -56,19 +57,26 @@ def newest_verified(
     for step in sorted(steps, reverse=True):
         problem = hot_problem(hot, run_id, step)
         if problem is None:
-            return hot.url_for(run_id, step)
+            return _said(run_id, step, "hot", hot.url_for(run_id, step))
         tried.append(f"hot step {step}: {problem}")
         log.warning("%s step %d on hot: %s; looking further", run_id, step, problem)
         dst = fetch_to(step)
         if os.path.isdir(dst) and local_problem(dst) is None:
-            return dst  # fetched by an earlier call
+            return _said(run_id, step, "an earlier fetch", dst)
         shutil.rmtree(dst, ignore_errors=True)
         try:
-            return restore(rest, run_id, dst, step=step, holder="ckptflow resume").dst_dir
+            got = restore(rest, run_id, dst, step=step, holder="ckptflow resume")
+            return _said(run_id, step, f"the {got.tier} tier ({got.uri})", got.dst_dir)
         except CheckpointNotFoundError as e:
             shutil.rmtree(dst, ignore_errors=True)
             tried.append(str(e))
     raise CheckpointNotFoundError(f"run {run_id}: no checkpoint verifies — {'; '.join(tried)}")
+
+
+def _said(run_id: str, step: int, where: str, folder: str) -> str:
+    """One line on stderr, whatever the framework's logging: which step, from where, into which folder."""
+    print(f"ckptflow: {run_id} resumes from step {step}, from {where}: {folder}", file=sys.stderr, flush=True)
+    return folder
 
 
 def hot_problem(hot: Tier, run_id: str, step: int) -> str | None:

@@ -41,7 +41,8 @@ def test_demo_end_to_end(tmp_path):
     whose commit events trigger the lifecycles; a worker SIGKILLed mid-run; every checkpoint
     verified (probe bitwise, expectations met), compressed onto warm and cold, hot pruned by
     policy, and exported as safetensors; a checkpoint another tool wrote is adopted into the same
-    lifecycle; the drill restores the newest at another world size."""
+    lifecycle; the drill restores the newest at another world size; with hot and warm wiped the job
+    comes back from cold by itself."""
     wd = tmp_path / "demo"
     r = _demo(wd, "--steps", "40", "--save-every", "10", "--kill-at", "15")
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
@@ -74,5 +75,9 @@ def test_demo_end_to_end(tmp_path):
         assert e and e["location"].startswith(str(wd / "warm")) and e["cold"].startswith("s3://"), c
         got = {k: v for n in e["shards"] for k, v in load_file(os.path.join(e["location"], n)).items()}
         assert len(got) == e["tensors"] and sum(v.numel() * v.element_size() for v in got.values()) == e["bytes"]
+    # The hot tier lost: the same job comes back from cold by itself, and trains on bitwise
+    w = s["way_back"]
+    assert w["ok"] and w["step"] == 40 and w["tier"] == "cold" and w["bitwise"] and w["steps"] == [41, 42, 43, 44], w
+    assert w["bytes_fetched"] > 0 and "the way back:" in r.stdout
     assert "demo OK" in r.stdout and "bit-identical" in r.stdout and "adopted:" in r.stdout and "exported:" in r.stdout
     assert _procs_with_env(str(wd / "prefect")) == [], "the demo stopped every process it started"

@@ -48,11 +48,11 @@ print("RESULT " + json.dumps({"step": tr.state.global_step, "losses": {h["step"]
 def _train(out, steps: int, resume: str = "", env: dict | None = None) -> dict:
     r = run_script(TRAIN, {"OUT": str(out), "MAX_STEPS": str(steps), "RESUME": resume, **(env or {})}, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    return script_result(r.stdout)
+    return {**script_result(r.stdout), "stderr": r.stderr}
 
 
 def test_the_callback_adopts_each_checkpoint_and_a_lost_machine_resumes_from_cold_to_the_same_losses(
-    prefect_api, s3_endpoint, s3_bucket, tmp_path
+    prefect_api, s3_endpoint, s3_bucket, tmp_path, capsys
 ):
     from ckptflow.flows.drill import drill_tier
     from ckptflow.flows.lifecycle import lifecycle
@@ -89,6 +89,7 @@ def test_the_callback_adopts_each_checkpoint_and_a_lost_machine_resumes_from_col
 
     # The newest copy that verifies, in place on hot; a damaged one is passed over for the step before.
     assert latest_verified(str(out), run_id="hf", config=cfg) == str(run / layout.step_name(6))
+    assert f"ckptflow: hf resumes from step 6, from hot: {run / layout.step_name(6)}" in capsys.readouterr().err
     with open(run / layout.step_name(6) / "model.safetensors", "r+b") as f:
         f.write(b"\0" * 64)
     assert latest_verified(str(out), run_id="hf", config=cfg) == str(step4)
@@ -101,6 +102,7 @@ def test_the_callback_adopts_each_checkpoint_and_a_lost_machine_resumes_from_col
         shutil.rmtree(gone)
     resumed = _train(out, 6, resume="latest", env={"CKPTFLOW_CONFIG": cfg})
     assert resumed["step"] == 6
+    assert "ckptflow: hf resumes from step 4, from the cold tier (s3://" in resumed["stderr"], resumed["stderr"]
     assert sorted(os.listdir(out)) == ["checkpoint-6", "ckptflow-restored-step-4"], "it trained steps 5-6 only"
     assert [resumed["losses"][s] for s in ("5", "6")] == [full["losses"][s] for s in ("5", "6")], (resumed, full)
     v = subprocess.run(
