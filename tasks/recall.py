@@ -37,12 +37,11 @@ class TierRecall:
         held: dict[int, list[str]] = {}
         for t in self.tiers:
             try:
-                found = t.committed_steps(run_id)
+                found = [s for s in t.committed_steps(run_id) if not t.is_quarantined(run_id, s)]
             except Exception as e:  # noqa: BLE001 - name the tier: s3fs passes botocore's errors through
                 raise OSError(f"the {t.name} tier ({t.url}) cannot be listed: {type(e).__name__}: {e}") from e
             for s in found:
-                if not t.is_quarantined(run_id, s):
-                    held.setdefault(s, []).append(t.name)
+                held.setdefault(s, []).append(t.name)
         return held
 
     def bring(self, run_id: str, step: int, step_dir: str) -> Brought:

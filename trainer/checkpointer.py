@@ -47,19 +47,40 @@ def _agree(cfg: CheckpointConfig, env: DistEnv) -> None:
         cfg.hot_scope,
         cfg.replicas,
         (cfg.mtbf_hours, cfg.auto_first_interval, cfg.auto_min_interval, cfg.auto_max_interval),
+        (cfg.resume, cfg.tiers, cfg.tiers_wait_s),
     )
     every = gather(mine, env.ckpt_group)
     if any(e != every[0] for e in every):
         diff = {r: e for r, e in enumerate(every) if e != every[0]}
         raise ConfigError(
             f"ranks disagree on the checkpoint settings (run_id, interval, async_mode, hot_scope, "
-            f"replicas, auto-interval settings): rank 0 has {every[0]}, but {diff}; start every rank with the same"
+            f"replicas, auto-interval settings, resume and tiers): rank 0 has {every[0]}, but {diff}; start every "
+            "rank with the same"
         )
 
 
-def _config_path(tiers: str) -> str | None:
-    """``CheckpointConfig.tiers`` as the config lookup takes it: ``auto`` is the CLI's own lookup (None)."""
-    return None if tiers == "auto" else tiers
+def _agreed_recall(cfg: CheckpointConfig, env: DistEnv) -> Recall | None:
+    """The tiers beyond hot, found by every rank from ``cfg.tiers`` (``auto``: the CLI's own lookup, relative to
+    each rank's working directory), and agreed: a rank that found none, or failed to read the config, while
+    another found tiers would branch differently in the resume's collectives; all raise the same error."""
+    found: Recall | None = None
+    err = ""
+    try:
+        found = find_recall(None if cfg.tiers == "auto" else cfg.tiers)
+    except Exception as e:  # noqa: BLE001 - a config error on one rank must reach every rank
+        err = f"{type(e).__name__}: {e}"
+    facts = gather((found is not None, err), env.ckpt_group) if env.world_size > 1 else [(found is not None, err)]
+    errors = [f"rank {r}: {e}" for r, (_, e) in enumerate(facts) if e]
+    if errors:
+        raise ConfigError(f"reading the tiers of CheckpointConfig.tiers={cfg.tiers!r} failed: {errors[0]}")
+    if len({has for has, _ in facts}) > 1:
+        have = [r for r, (has, _) in enumerate(facts) if has]
+        raise ConfigError(
+            f"ranks disagree on the tiers beyond the hot root: ranks {have} found a ckptflow config "
+            f"(CheckpointConfig.tiers={cfg.tiers!r}), the others none. Start every rank with the same "
+            "$CKPTFLOW_CONFIG (or working directory), or set tiers to a config path, or 'none'"
+        )
+    return found
 
 
 class CheckpointManager:
@@ -158,7 +179,7 @@ class CheckpointManager:
         if not self.cfg.enabled:
             return 0
         if self.recall is None and self.cfg.tiers != "none":
-            self.recall = find_recall(_config_path(self.cfg.tiers))
+            self.recall = _agreed_recall(self.cfg, self.env)
         if self.cfg.resume == "never":
             refuse_second_history(self.run_path, self.env, self.recall, wait_s=self.cfg.tiers_wait_s)
             return 0

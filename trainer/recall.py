@@ -78,7 +78,7 @@ def find_recall(config: str | None) -> Recall | None:
 
 
 def steps_with_retries(recall: Recall, run_id: str, *, wait_s: float = 60.0) -> dict[int, list[str]]:
-    """:meth:`Recall.steps`, tried again 1, 2, 4... s apart for at most ``wait_s``: a tier that blinks (an S3
+    """:meth:`Recall.steps`, tried again 1, 2, 4... s apart until ``wait_s`` has passed: a tier that blinks (an S3
     endpoint restarting, a mount coming back) is waited for a bounded time, then TierUnreachableError."""
     deadline = time.monotonic() + wait_s
     pause, tries = 1.0, 0
@@ -89,7 +89,7 @@ def steps_with_retries(recall: Recall, run_id: str, *, wait_s: float = 60.0) -> 
         except Exception as e:  # noqa: BLE001 - s3fs passes botocore's connection errors through unwrapped
             left = deadline - time.monotonic()
             log.warning("cannot list %s (try %d, %.0f s left): %s", recall.describe(), tries, max(left, 0), e)
-            if left < pause:
+            if left <= 0:
                 raise TierUnreachableError(f"{e} (tried {tries} times in {wait_s:g} s)") from e
-            time.sleep(pause)
+            time.sleep(min(pause, left))
             pause *= 2

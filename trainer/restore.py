@@ -7,7 +7,8 @@ same load. Mismatched provenance is refused unless allowed; a wrong ``latest`` i
 
 With tiers beyond the hot root (``trainer/recall.py``): rank 0 lists them once (bounded retries) and shares
 the answer; a step they hold that is newer than every good step on hot is brought into the hot root, verified,
-and loaded like a hot one. Hot empty and a tier unreachable: stop, naming the tier, rather than start at 0.
+and loaded like a hot one. A tier unreachable when it is needed: stop, naming it, rather than start at 0 or go
+on from an older step than the tiers may hold.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from ckptflow.trainer.config import Provenance
 from ckptflow.trainer.distenv import DistEnv, gather
@@ -37,6 +39,8 @@ from ckptflow.trainer.resume import (
 from ckptflow.trainer.state import TrainState
 
 __all__ = ["LoadResult", "Resume", "refuse_second_history", "resume"]
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +101,6 @@ def _resume_shared(r: Resume, load: Callable[[str, Manifest], object]) -> LoadRe
     after: int | None = None
     mism: list[str] = []
     held: dict[int, list[str]] = {}
-    unreachable: TierUnreachableError | None = None
     listed = False
     tried: set[int] = set()  # steps brought back (or tried): never fetched twice
     brought: Brought | None = None
@@ -112,16 +115,25 @@ def _resume_shared(r: Resume, load: Callable[[str, Manifest], object]) -> LoadRe
         if not listed and _look_beyond(r, rep):
             held, unreachable = _tier_steps(r)
             listed = True
+            if unreachable is not None:  # hot's newest is gone or damaged and the tiers may hold it: ask
+                raise unreachable
         on_hot = rep.chosen.step if rep.chosen is not None else -1
-        newer = [s for s in held if s > on_hot and (after is None or s < after) and s not in tried]
+        bad = {s for s, _ in damaged}  # a tier's copy of a step whose hot copy failed its load is a candidate
+        newer = [
+            s
+            for s in held
+            if s > on_hot and s not in tried and (after is None or s < after or (s == after and s in bad))
+        ]
         if newer:  # a tier holds a newer step than any good one here: bring it back, then look again
             step = max(newer)
             tried.add(step)
-            got, why = _bring_agreed(r, step, {s for s, _ in damaged})
+            got, why = _on_rank0(env, lambda: _bring(r, step, bad), f"bring-{step}")
             if got is None:
                 skipped.append((f"{r.recall.describe() if r.recall else ''} step {step}", why))
             else:
                 brought = got
+                if after is not None and step >= after:  # the tiers' copy of the step whose hot load failed
+                    after = step + 1
             continue
         if rep.chosen is None:
             break
@@ -138,8 +150,6 @@ def _resume_shared(r: Resume, load: Callable[[str, Manifest], object]) -> LoadRe
         if env.rank == 0:
             log.warning("resume: skipping %s: %s", path, why)
     if rep.chosen is None:
-        if unreachable is not None:
-            raise unreachable
         if r.required or skipped:
             # Checkpoints exist but none verifies: starting over silently would discard training; ask the operator
             raise no_checkpoint_error(r.run_path, skipped)
@@ -147,8 +157,6 @@ def _resume_shared(r: Resume, load: Callable[[str, Manifest], object]) -> LoadRe
         if aside:  # every checkpoint was set aside as damaged earlier: still not a reason to start over silently
             raise only_set_aside_error(r.run_path, aside)
         return LoadResult(0, None)
-    if unreachable is not None and env.rank == 0:
-        log.warning("resume: %s; going on from step %d on the hot root", unreachable, rep.chosen.step)
     for m in mism:
         log.warning("resume despite mismatch (allow_mismatch): %s", m)
     if env.rank == 0:
@@ -180,10 +188,18 @@ def _look_beyond(r: Resume, rep: ResumeReport) -> bool:
     """Whether the tiers beyond hot must be listed: hot has no good checkpoint, or the one it has is not the
     run's ``latest`` (something newer was passed over or is missing). A commit never moves ``latest`` back, so
     a good ``latest`` on hot is the run's newest: the common resume makes no call to warm or cold. Rank 0's
-    answer, shared: ``latest`` is read by each rank."""
+    answer, shared: ``latest`` is read by each rank. Also after an earlier resume set a step aside (it may have
+    gone on from an older one without the tiers)."""
     if r.recall is None:
         return False
-    need = rep.chosen is None or bool(rep.skipped) or rep.latest_was != rep.chosen.step
+    need = (
+        rep.chosen is None
+        or bool(rep.skipped)
+        or rep.latest_was != rep.chosen.step
+        or any(  # an earlier resume set a newer step aside and went on from an older one: warm may hold it
+            (layout.parse_set_aside(n) or -1) > rep.chosen.step for n in commit.set_aside_steps(r.run_path)
+        )
+    )
     return bool(gather(need, r.env.ckpt_group)[0]) if r.env.world_size > 1 else need
 
 
@@ -191,45 +207,40 @@ def _tier_steps(r: Resume) -> tuple[dict[int, list[str]], TierUnreachableError |
     """Rank 0 lists the tiers beyond hot (bounded retries); every rank gets its answer, so all branch alike."""
     if r.recall is None:
         return {}, None
-    answer: tuple[dict[int, list[str]], str | None] = ({}, None)
-    if r.env.rank == 0:
-        try:
-            answer = (steps_with_retries(r.recall, os.path.basename(r.run_path), wait_s=r.tiers_wait_s), None)
-        except TierUnreachableError as e:
-            answer = ({}, str(e))
-    if r.env.world_size > 1:
-        answer = gather(answer, r.env.ckpt_group)[0]
-    held, err = answer
-    if err is None:
+    recall = r.recall
+    held, why = _on_rank0(
+        r.env, lambda: steps_with_retries(recall, os.path.basename(r.run_path), wait_s=r.tiers_wait_s), "list"
+    )
+    if held is not None:
         return held, None
-    return held, TierUnreachableError(
-        f"{err}. Not starting {r.run_path} over at step 0 while its checkpoints there are unknown: make the tier "
-        "reachable and start again, or, to resume from the hot root alone, set CheckpointConfig.tiers='none'"
+    return {}, TierUnreachableError(
+        f"{why}. Not resuming {r.run_path} while the tiers may hold checkpoints newer than any good one on hot: "
+        "make the tier reachable and start again, or, to resume from the hot root alone (or start over on an "
+        "empty one), set CheckpointConfig.tiers='none'"
     )
 
 
-def _bring_agreed(r: Resume, step: int, damaged_here: set[int]) -> tuple[Brought | None, str]:
-    """Rank 0 brings ``step`` back into the hot root while every rank waits in short agreed rounds (no one
-    collective outlasts the group's timeout however long the fetch); all learn the outcome together."""
-    env = r.env
-    box: list[tuple[Brought | None, str]] = []
+def _on_rank0(env: DistEnv, work: Callable[[], T], name: str) -> tuple[T | None, str]:
+    """``work()`` on rank 0, in a thread, while every rank meets in short agreed rounds (no one collective
+    outlasts the group's timeout however long it takes); all get (its result, "") or (None, why it failed)."""
+    box: list[tuple[T | None, str]] = []
 
-    def work() -> None:
+    def run() -> None:
         try:
-            box.append((_bring(r, step, damaged_here), ""))
+            box.append((work(), ""))
         except CkptflowError as e:
             box.append((None, str(e)))
-        except Exception as e:  # noqa: BLE001 - any failure must reach the other ranks, not hang them
+        except BaseException as e:  # noqa: BLE001 - any failure must reach the other ranks, not hang them
             box.append((None, f"{type(e).__name__}: {e}"))
 
-    t = threading.Thread(target=work, name=f"ckptflow-bring-{step}", daemon=True) if env.rank == 0 else None
+    t = threading.Thread(target=run, name=f"ckptflow-{name}", daemon=True) if env.rank == 0 else None
     if t is not None:
         t.start()
     while True:
         if t is not None:
             t.join(timeout=min(10.0, env.ckpt_timeout_s / 4))
         mine = box[0] if box else None
-        outcome: tuple[Brought | None, str] | None = gather(mine, env.ckpt_group)[0] if env.world_size > 1 else mine
+        outcome: tuple[T | None, str] | None = gather(mine, env.ckpt_group)[0] if env.world_size > 1 else mine
         if outcome is not None:
             return outcome
 
@@ -247,24 +258,28 @@ def _bring(r: Resume, step: int, damaged_here: set[int]) -> Brought:
 def refuse_second_history(run_path: str, env: DistEnv, recall: Recall | None, *, wait_s: float) -> None:
     """``resume="never"`` under a run id that holds committed checkpoints (hot, or the tiers): its saves would
     take the names of steps already there, two histories under one id. Refused at start, on every rank."""
-    found: list[str] = []
-    if env.rank == 0:
+    run_id = os.path.basename(run_path)
+
+    def look() -> list[str]:
+        found: list[str] = []
         steps = commit.committed_steps(run_path)
         if steps:
             found.append(f"hot ({run_path}): steps {_shown(steps)}")
         if recall is not None:
-            try:
-                held = steps_with_retries(recall, os.path.basename(run_path), wait_s=wait_s)
-            except TierUnreachableError as e:
-                found.append(f"{e} (it may hold some)")
-            else:
-                if held:
-                    found.append(f"{recall.describe()}: steps {_shown(sorted(held, reverse=True))}")
-    if env.world_size > 1:
-        found = gather(found, env.ckpt_group)[0]
+            held = steps_with_retries(recall, run_id, wait_s=wait_s)
+            if held:
+                found.append(f"{recall.describe()}: steps {_shown(sorted(held, reverse=True))}")
+        return found
+
+    found, why = _on_rank0(env, look, "never")
+    if found is None:
+        raise ConfigError(
+            f"resume='never': cannot tell whether run {run_id} already has checkpoints ({why}); make the tier "
+            "reachable, or set CheckpointConfig.tiers='none' to start without looking beyond the hot root"
+        )
     if found:
         raise ConfigError(
-            f"resume='never' but run {os.path.basename(run_path)} already has checkpoints ({'; '.join(found)}); "
+            f"resume='never' but run {run_id} already has checkpoints ({'; '.join(found)}); "
             "starting over would write a second history under the same run id. Use a new run id, or "
             "resume='auto' to go on from the newest"
         )

@@ -274,7 +274,8 @@ def run_demo(s: DemoSettings, say: Callable[[str], None] = print) -> DemoOutcome
         except DrillFailed as e:
             out.drill = {"ok": False, "error": str(e)}
             out.problems.append(str(e))
-        if steps:
+        pending = lifecycle_problems(lifecycle_names(RUN_ID, steps), out.lifecycle_states)
+        if steps and not pending:  # only once every lifecycle is over: none may still write to warm
             from ckptflow.demo.wayback import way_back
 
             out.way_back = way_back(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -42,7 +43,14 @@ def _job(root: str, run_id: str, steps: int, model: str, env: dict, log: str, *e
     args = ["--ckpt-root", root, "--run-id", run_id, "--max-steps", str(steps), "--save-every", str(steps)]
     cmd = torchrun("ckptflow.trainer.train", [*args, "--model", model, *extra], nproc=2)
     with open(log, "w") as f:
-        return subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=600).returncode
+        # its own session: a job that outlives the timeout is stopped with its workers, not only torchrun
+        p = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            return p.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            return -signal.SIGKILL
 
 
 def way_back(
@@ -65,10 +73,13 @@ def way_back(
         return WayBack(False, problem=f"the reference continuation failed; log: {ref_log}")
     rows = last_per_step(read_metrics(run))
     want = {s: (rows[s]["loss"], rows[s]["lr"]) for s in range(last + 1, last + more + 1) if s in rows}
-    shutil.rmtree(run)
     # Warm is taken offline (moved out of the tier, and back after: its exports are the demo's output)
     offline = os.path.join(os.path.dirname(os.path.abspath(warm)), f"warm-offline-{run_id}")
-    os.rename(os.path.join(warm, run_id), offline)
+    try:
+        os.rename(os.path.join(warm, run_id), offline)
+    except OSError as e:
+        return WayBack(False, problem=f"could not take warm offline ({e}); hot left as it was")
+    shutil.rmtree(run)
     say(f"the way back: {run} wiped and warm offline; the same job started again ...")
     t0 = time.monotonic()
     try:
@@ -76,7 +87,10 @@ def way_back(
         quiet_api = {k: v for k, v in env.items() if k != "PREFECT_API_URL"}
         rc = _job(root, run_id, last + more, model, quiet_api, back_log)
     finally:
-        os.rename(offline, os.path.join(warm, run_id))
+        try:
+            os.rename(offline, os.path.join(warm, run_id))
+        except OSError as e:
+            say(f"could not put warm back ({e}); it is at {offline}")
     took = time.monotonic() - t0
     with open(back_log) as f:
         found = _BROUGHT.search(f.read())
