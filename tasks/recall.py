@@ -8,12 +8,10 @@ config file there is no recall and a resume reads the hot root alone, as it alwa
 from __future__ import annotations
 
 import logging
-import shutil
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ckptflow.tasks.config import find_config_file, load_config
-from ckptflow.trainer.errors import CheckpointNotFoundError
 from ckptflow.trainer.recall import Brought
 
 if TYPE_CHECKING:
@@ -33,25 +31,19 @@ class TierRecall:
     def describe(self) -> str:
         return ", ".join(f"{t.name} ({t.url})" for t in self.tiers)
 
-    def steps(self, run_id: str) -> dict[int, list[str]]:
-        held: dict[int, list[str]] = {}
+    def steps(self, run_id: str) -> set[int]:
+        held: set[int] = set()
         for t in self.tiers:
             try:
-                found = [s for s in t.committed_steps(run_id) if not t.is_quarantined(run_id, s)]
+                held.update(s for s in t.committed_steps(run_id) if not t.is_quarantined(run_id, s))
             except Exception as e:  # noqa: BLE001 - name the tier: s3fs passes botocore's errors through
                 raise OSError(f"the {t.name} tier ({t.url}) cannot be listed: {type(e).__name__}: {e}") from e
-            for s in found:
-                held.setdefault(s, []).append(t.name)
         return held
 
     def bring(self, run_id: str, step: int, step_dir: str) -> Brought:
         from ckptflow.tasks.transfer import restore
 
-        try:
-            got = restore(self.tiers, run_id, step_dir, step=step, holder="ckptflow resume")
-        except CheckpointNotFoundError:
-            shutil.rmtree(step_dir, ignore_errors=True)  # a fetch that failed leaves no folder; a stray one goes
-            raise
+        got = restore(self.tiers, run_id, step_dir, step=step, holder="ckptflow resume")  # a failed fetch leaves none
         f = got.fetch
         log.info(
             "brought step %d of %s back from %s (%d files, %d bytes, %.2f s)",

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Protocol
 
-from ckptflow.trainer.errors import ConfigError, StorageError
+from ckptflow.trainer.errors import StorageError
 
 __all__ = ["ENTRY_POINTS", "Brought", "Recall", "TierUnreachableError", "find_recall", "steps_with_retries"]
 
@@ -53,9 +53,9 @@ class Recall(Protocol):
         """The tiers, for messages: ``warm (file:///...), cold (s3://...)``."""
         ...
 
-    def steps(self, run_id: str) -> dict[int, list[str]]:
-        """Committed steps of ``run_id`` on the tiers, each with the names of the tiers holding it (hotter
-        first). Raises OSError naming the tier when one cannot be listed."""
+    def steps(self, run_id: str) -> set[int]:
+        """Committed steps of ``run_id`` on any of the tiers, not quarantined there. Raises OSError naming the
+        tier when one cannot be listed."""
         ...
 
     def bring(self, run_id: str, step: int, step_dir: str) -> Brought:
@@ -68,16 +68,13 @@ class Recall(Protocol):
 def find_recall(config: str | None) -> Recall | None:
     """The recall the installed packages offer for ``config`` (see the module docstring), or None."""
     for ep in entry_points(group=ENTRY_POINTS):
-        try:
-            found = ep.load()(config)
-        except ConfigError:
-            raise  # a config that names a missing file or a bad tier: the operator must hear it at start
+        found = ep.load()(config)  # a bad config raises ConfigError: the operator hears it at start
         if found is not None:
             return found
     return None
 
 
-def steps_with_retries(recall: Recall, run_id: str, *, wait_s: float = 60.0) -> dict[int, list[str]]:
+def steps_with_retries(recall: Recall, run_id: str, *, wait_s: float = 60.0) -> set[int]:
     """:meth:`Recall.steps`, tried again 1, 2, 4... s apart until ``wait_s`` has passed: a tier that blinks (an S3
     endpoint restarting, a mount coming back) is waited for a bounded time, then TierUnreachableError."""
     deadline = time.monotonic() + wait_s

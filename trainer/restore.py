@@ -100,7 +100,7 @@ def _resume_shared(r: Resume, load: Callable[[str, Manifest], object]) -> LoadRe
     damaged: list[tuple[int, str]] = []
     after: int | None = None
     mism: list[str] = []
-    held: dict[int, list[str]] = {}
+    held: set[int] = set()
     listed = False
     tried: set[int] = set()  # steps brought back (or tried): never fetched twice
     brought: Brought | None = None
@@ -112,11 +112,8 @@ def _resume_shared(r: Resume, load: Callable[[str, Manifest], object]) -> LoadRe
         )
         skipped += [x for x in rep.skipped if x not in skipped]
         damaged += [x for x in rep.damaged if x not in damaged]
-        if not listed and _look_beyond(r, rep):
-            held, unreachable = _tier_steps(r)
-            listed = True
-            if unreachable is not None:  # hot's newest is gone or damaged and the tiers may hold it: ask
-                raise unreachable
+        if not listed and _look_beyond(r, rep):  # hot's newest is gone or damaged: the tiers may hold it
+            held, listed = _tier_steps(r), True
         on_hot = rep.chosen.step if rep.chosen is not None else -1
         bad = {s for s, _ in damaged}  # a tier's copy of a step whose hot copy failed its load is a candidate
         newer = [
@@ -203,21 +200,22 @@ def _look_beyond(r: Resume, rep: ResumeReport) -> bool:
     return bool(gather(need, r.env.ckpt_group)[0]) if r.env.world_size > 1 else need
 
 
-def _tier_steps(r: Resume) -> tuple[dict[int, list[str]], TierUnreachableError | None]:
-    """Rank 0 lists the tiers beyond hot (bounded retries); every rank gets its answer, so all branch alike."""
+def _tier_steps(r: Resume) -> set[int]:
+    """Rank 0 lists the tiers beyond hot (bounded retries); every rank gets its answer, so all branch alike.
+    Raises TierUnreachableError on every rank when a tier stays unreachable: it may hold what hot lacks."""
     if r.recall is None:
-        return {}, None
+        return set()
     recall = r.recall
     held, why = _on_rank0(
         r.env, lambda: steps_with_retries(recall, os.path.basename(r.run_path), wait_s=r.tiers_wait_s), "list"
     )
-    if held is not None:
-        return held, None
-    return {}, TierUnreachableError(
-        f"{why}. Not resuming {r.run_path} while the tiers may hold checkpoints newer than any good one on hot: "
-        "make the tier reachable and start again, or, to resume from the hot root alone (or start over on an "
-        "empty one), set CheckpointConfig.tiers='none'"
-    )
+    if held is None:
+        raise TierUnreachableError(
+            f"{why}. Not resuming {r.run_path} while the tiers may hold checkpoints newer than any good one on "
+            "hot: make the tier reachable and start again, or, to resume from the hot root alone (or start over "
+            "on an empty one), set CheckpointConfig.tiers='none'"
+        )
+    return held
 
 
 def _on_rank0(env: DistEnv, work: Callable[[], T], name: str) -> tuple[T | None, str]:
@@ -314,9 +312,7 @@ def _resume_nodes(r: Resume, state: TrainState, load: Callable[[str, Manifest], 
         for step, why in rep.skipped:
             log.warning("resume: skipping %s: %s", step, why)
     if rep.step is None or rep.manifest is None:
-        held, unreachable = _tier_steps(r)
-        if unreachable is not None:
-            raise unreachable
+        held = _tier_steps(r)
         if held:  # never start over while the tiers hold the run
             raise CheckpointNotFoundError(
                 f"no node's root holds a checkpoint of {r.run_path}, but {r.recall.describe() if r.recall else ''} "
