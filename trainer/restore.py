@@ -247,7 +247,9 @@ def _bring(r: Resume, step: int, damaged_here: set[int]) -> Brought:
     assert r.recall is not None
     step_dir = os.path.join(r.run_path, layout.step_name(step))
     if os.path.lexists(step_dir):
-        if step not in damaged_here:  # another key's checkpoint, a newer format: not this resume's to replace
+        # A symlink under the step's name was never committed (the commit sets one aside too); anything else not
+        # found damaged (another key's checkpoint, a newer format) is not this resume's to replace
+        if step not in damaged_here and not os.path.islink(step_dir):
             raise ConfigError(f"{step_dir} is there and is not damaged; not replacing it with the tiers' copy")
         commit.set_aside(r.run_path, step, ["replaced by the copy on the tiers"], found_by="resume")
     return r.recall.bring(os.path.basename(r.run_path), step, step_dir)
