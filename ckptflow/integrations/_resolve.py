@@ -35,14 +35,16 @@ def newest_verified(
     tiers: list[Tier],
     run_id: str,
     *,
-    fetch_to: Callable[[int], str],
+    fetch_to: Callable[[int], str] | None = None,
     at_most: int | None = None,
 ) -> str | None:
     """The folder of the newest step (``<= at_most``) whose copy verifies: the hot copy in place
     (every digest, then the pickle-free parse of an adopted one), else the step restored from the
-    other tiers into ``fetch_to(step)`` (a folder kept from an earlier call is checked and reused).
-    None when the run has no committed step; CheckpointNotFoundError naming every copy tried when
-    steps exist and none verifies."""
+    other tiers. ``fetch_to(step)``: a folder of the caller's to restore into (one kept from an earlier
+    call is checked and reused); without it the step is brought into the hot root itself, committed
+    there under the manifest the tiers hold, after a damaged hot copy is set aside (damaged means no
+    longer committed, so a later save of that step commits). None when the run has no committed step;
+    CheckpointNotFoundError naming every copy tried when steps exist and none verifies."""
     layout.check_run_id(run_id)
     hot, rest = tiers[0], tiers[1:]
     steps: set[int] = set()
@@ -60,17 +62,35 @@ def newest_verified(
             return _said(run_id, step, "hot", hot.url_for(run_id, step))
         tried.append(f"hot step {step}: {problem}")
         log.warning("%s step %d on hot: %s; looking further", run_id, step, problem)
-        dst = fetch_to(step)
-        if os.path.isdir(dst) and local_problem(dst) is None:
-            return _said(run_id, step, "an earlier fetch", dst)
-        shutil.rmtree(dst, ignore_errors=True)
+        if fetch_to is None:
+            dst = _cleared_on_hot(hot, run_id, step, problem)
+            if dst is None:
+                continue
+        else:
+            dst = fetch_to(step)
+            if os.path.isdir(dst) and local_problem(dst) is None:
+                return _said(run_id, step, "an earlier fetch", dst)
+            shutil.rmtree(dst, ignore_errors=True)
         try:
             got = restore(rest, run_id, dst, step=step, holder="ckptflow resume")
             return _said(run_id, step, f"the {got.tier} tier ({got.uri})", got.dst_dir)
         except CheckpointNotFoundError as e:
-            shutil.rmtree(dst, ignore_errors=True)
+            if fetch_to is not None:
+                shutil.rmtree(dst, ignore_errors=True)
             tried.append(str(e))
     raise CheckpointNotFoundError(f"run {run_id}: no checkpoint verifies — {'; '.join(tried)}")
+
+
+def _cleared_on_hot(hot: Tier, run_id: str, step: int, problem: str) -> str | None:
+    """The hot step folder the tiers' copy of ``step`` may be brought into: a damaged committed copy set aside
+    first; None when something else holds the name (a quarantined copy: the lifecycle's to judge)."""
+    from ckptflow.trainer.format import commit
+
+    run_path = os.path.join(hot.url, run_id)
+    dst = os.path.join(run_path, layout.step_name(step))
+    if os.path.lexists(dst) and not commit.is_quarantined(run_path, step):
+        commit.set_aside(run_path, step, [problem, "replaced by the copy on the tiers"], found_by="resume")
+    return None if os.path.lexists(dst) else dst
 
 
 def _said(run_id: str, step: int, where: str, folder: str) -> str:

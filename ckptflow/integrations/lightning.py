@@ -4,9 +4,10 @@ resume that verifies before it loads.
     import lightning as L
     from ckptflow.integrations.lightning import CkptflowCheckpointIO, RNGState
 
-    trainer = L.Trainer(plugins=[CkptflowCheckpointIO(run_id="lit")], callbacks=[RNGState(),
+    io = CkptflowCheckpointIO(run_id="lit")
+    trainer = L.Trainer(plugins=[io], callbacks=[RNGState(),
                         L.pytorch.callbacks.ModelCheckpoint(every_n_train_steps=100, save_last=True)])
-    trainer.fit(model, ckpt_path="last")
+    trainer.fit(model, ckpt_path=io.last())
 
 Lightning's ``ModelCheckpoint`` keeps deciding when and under which names. Each save is copied on the
 training thread into buffers reused from one save to the next (no allocation, so no page faults:
@@ -19,10 +20,28 @@ crash mid-save leaves Lightning's previous one in place. ``save_last=True`` cost
 the second save at a step becomes one more link. Removing a name (``save_top_k``) removes only
 Lightning's link; the committed copy is ckptflow's, kept by the config's retention.
 
-``fit(ckpt_path="last")`` (or any path this plugin wrote) loads the committed step that path names
-once every byte matches its digest and the file parses without running a pickle; a damaged or
-missing one is passed over for the newest step before it that verifies — on hot in place, else
-fetched from warm or cold. A path ckptflow did not write is loaded as Lightning would.
+``fit(ckpt_path=io.last())`` resumes from the run's newest checkpoint wherever it is: Lightning's own
+``"last"`` looks only in this process's ``ModelCheckpoint`` folder, which without a ``dirpath`` is a
+new ``lightning_logs/version_N`` on every start (and is gone with the disk), so it finds nothing and
+trains from scratch. ``last()`` lists the run on the hot root, and on warm and cold when hot has no
+``latest`` (a replaced disk, a moved job); it returns None only when no tier holds a step, and raises
+when a tier that may hold one cannot be reached. The load (of that path, of a ``last.ckpt``, of any
+path this plugin wrote) runs on rank 0 of the group, the others waiting for its answer: the newest
+committed step (not after the one named; a ``last*.ckpt`` names the newest, so a link that trails its
+commit never loses a save) whose every byte matches its digest and whose file parses without running
+a pickle. A damaged hot copy is set aside and the step brought back from warm or cold into the hot
+root, committed under the manifest the tiers hold; with no good copy the step before is tried. A path
+ckptflow did not write is loaded as Lightning would. The hot root must be one every rank reads (a
+shared file system), as Lightning's own checkpoint path must.
+
+A fit that resumed from nothing, or from a step older than the run's newest, would save steps under
+names the run already holds: two histories under one run id. Its first save is refused, naming the
+steps and the fix, before anything is written.
+
+At an epoch's last batch a stateful loader's state says "every sample yielded"; restored, the
+next epoch's iterator yields nothing and Lightning skips that epoch (stock Lightning does too). Such a
+checkpoint is saved without the loader's state, so the next epoch starts afresh, in the order its
+sampler gives that epoch, as it did in the run that saved.
 
 What Lightning restores is not all of a run's state: it saves no random number generator state, so
 a run with dropout or random augmentation draws other numbers after a resume. :class:`RNGState`
@@ -37,6 +56,7 @@ import copy
 import logging
 import os
 import random
+import re
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -47,7 +67,9 @@ import torch
 from ckptflow.integrations._resolve import newest_verified, run_tiers
 from ckptflow.tasks.adopt import TORCH_SAVE, commit_written, step_from_name
 from ckptflow.tasks.config import load_config
-from ckptflow.trainer.format import layout
+from ckptflow.trainer.errors import CheckpointNotFoundError, ConfigError
+from ckptflow.trainer.format import commit, layout
+from ckptflow.trainer.recall import TierUnreachableError, steps_with_retries
 
 try:
     from lightning.fabric.plugins import CheckpointIO as _IO
@@ -59,6 +81,9 @@ __all__ = ["FILE", "CkptflowCheckpointIO", "RNGState"]
 
 FILE = "checkpoint.ckpt"
 """The ``torch.save`` file in each committed step folder."""
+
+_LAST_NAME = re.compile(r"^last(-v\d+)?\.ckpt$")
+"""The names ``ModelCheckpoint(save_last=True)`` gives its newest save."""
 
 log = logging.getLogger(__name__)
 
@@ -101,14 +126,19 @@ class CkptflowCheckpointIO(_IO):
 
     ``config``: the ckptflow config file (default: ``$CKPTFLOW_CONFIG`` or ``./ckptflow.toml``);
     its ``[hot] url`` is where checkpoints are committed unless ``root`` is given, and its tiers
-    are where a resume looks. The event goes to ``$PREFECT_API_URL`` when set (the outbox line is
-    written either way)."""
+    are where a resume looks (``tiers_wait_s``: how long an unreachable one is retried). The event
+    goes to ``$PREFECT_API_URL`` when set (the outbox line is written either way)."""
 
-    def __init__(self, run_id: str, *, config: str | None = None, root: str | None = None) -> None:
+    def __init__(
+        self, run_id: str, *, config: str | None = None, root: str | None = None, tiers_wait_s: float = 60.0
+    ) -> None:
         _need_lightning()
         self.run_id = layout.check_run_id(run_id)
         self.config = config
         self.root = os.path.abspath(root if root is not None else load_config(config).hot.url)
+        self.tiers_wait_s = tiers_wait_s
+        self._resumed_from: int | None = None
+        self._history_checked = False
         self._snapshot = _Snapshot()
         self._pool: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
@@ -121,6 +151,10 @@ class CkptflowCheckpointIO(_IO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         path = os.path.abspath(os.fspath(path))
         step = int(checkpoint["global_step"])
+        if not self._history_checked:
+            self._refuse_second_history(step)
+            self._history_checked = True
+        checkpoint = _next_epoch_starts_afresh(checkpoint)
         if step == self._saved_step:  # save_last after the top-k save: the same state, one more name
             self._submit(self._link, step, path)
         else:
@@ -167,6 +201,53 @@ class CkptflowCheckpointIO(_IO):
             shutil.copyfile(src, tmp)
         os.replace(tmp, path)  # the name appears whole, after the commit
 
+    def last(self) -> str | None:
+        """The path ``fit(ckpt_path=...)`` resumes from: the run's newest committed step, on the hot root
+        or (when hot has no ``latest``) on warm or cold, or None when no tier holds one (a first start).
+        The load verifies it and falls back or brings it from a tier (see the module's doc). Raises
+        TierUnreachableError when hot has nothing and a tier cannot be listed within ``tiers_wait_s``:
+        never a fresh start over checkpoints it could not see."""
+        newest = self._newest()
+        if newest is None:
+            return None
+        return os.path.join(self.root, self.run_id, layout.step_name(newest[0]), FILE)
+
+    def _newest(self) -> tuple[int, str] | None:
+        """The run's newest committed step that is not quarantined, and where: hot when its ``latest`` names a
+        committed step, else the newest of hot's and the tiers'."""
+        run_path = os.path.join(self.root, self.run_id)
+        hot = [s for s in commit.committed_steps(run_path) if not commit.is_quarantined(run_path, s)]
+        if hot and commit.read_latest(run_path) in hot:
+            return max(hot), f"hot ({run_path})"
+        from ckptflow.tasks.recall import TierRecall
+
+        recall = TierRecall(run_tiers(self.config, self.root)[1:])
+        try:
+            held = steps_with_retries(recall, self.run_id, wait_s=self.tiers_wait_s) if recall.tiers else set()
+        except TierUnreachableError as e:
+            raise TierUnreachableError(
+                f"run {self.run_id}: {e}. Not resuming: the tiers may hold its newest checkpoint. Make the tier "
+                "reachable, or pass fit(ckpt_path=...) a checkpoint yourself"
+            ) from e
+        if not hot and not held:
+            return None
+        if held and max(held) > max(hot, default=-1):
+            return max(held), recall.describe()
+        return max(hot), f"hot ({run_path})"
+
+    def _refuse_second_history(self, step: int) -> None:
+        """Before the first save of this fit: a run that holds a step newer than the one this fit resumed from
+        (or any step, when it resumed from none) would get a second history under its id."""
+        newest = self._newest()
+        if newest is None or (self._resumed_from is not None and newest[0] <= self._resumed_from):
+            return
+        began = "started without resuming" if self._resumed_from is None else f"resumed from step {self._resumed_from}"
+        raise ConfigError(
+            f"run {self.run_id} already has checkpoints up to step {newest[0]} ({newest[1]}) and this fit {began}: "
+            f"saving step {step} would write a second history under the same run id. Resume from the newest, "
+            "trainer.fit(..., ckpt_path=io.last()) with io the CkptflowCheckpointIO, or use a new run_id"
+        )
+
     # ---- load / remove -----------------------------------------------------------------------
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
@@ -178,27 +259,34 @@ class CkptflowCheckpointIO(_IO):
         if step is None:
             log.warning("%s was not written by ckptflow for run %s: loaded as Lightning would", path, self.run_id)
             return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
-        folder = newest_verified(
-            run_tiers(self.config, self.root),
-            self.run_id,
-            at_most=step,
-            fetch_to=lambda s: os.path.join(os.path.dirname(path), f"ckptflow-restored-step-{s}"),
-        )
-        if folder is None:
-            raise FileNotFoundError(f"{path}: run {self.run_id} has no committed step <= {step} on any tier")
-        if not folder.endswith(layout.step_name(step)):
+        at_most = None if _LAST_NAME.match(os.path.basename(path)) else step
+        folder = _on_rank0(lambda: self._resolve(at_most))
+        found = layout.parse_step(os.path.basename(folder))
+        if found != step and at_most is not None:
             log.warning("%s (step %d) does not verify; resuming from %s instead", path, step, folder)
+        self._resumed_from = found
         return TorchCheckpointIO().load_checkpoint(
             os.path.join(folder, FILE), map_location=map_location, weights_only=weights_only
         )
 
+    def _resolve(self, at_most: int | None) -> str:
+        folder = newest_verified(run_tiers(self.config, self.root), self.run_id, at_most=at_most)
+        if folder is None:
+            raise CheckpointNotFoundError(
+                f"run {self.run_id} has no committed step{'' if at_most is None else f' <= {at_most}'} on any tier"
+            )
+        return folder
+
     def _step_of(self, path: str) -> int | None:
         """The committed step ``path`` is a link to (same file), or the step in its name when the
-        run has it committed; None: not ours."""
-        from ckptflow.trainer.format.commit import committed_steps
-
+        run has it committed, or the step of a path :meth:`last` gives; None: not ours."""
         run_path = os.path.join(self.root, self.run_id)
-        steps = committed_steps(run_path) if os.path.isdir(run_path) else []
+        folder = os.path.dirname(path)
+        if os.path.dirname(folder) == run_path and os.path.basename(path) == FILE:
+            given = layout.parse_step(os.path.basename(folder))
+            if given is not None:
+                return given  # there or not: the load brings it, or the newest before it
+        steps = commit.committed_steps(run_path)
         try:
             st = os.stat(path)
         except OSError:
@@ -248,6 +336,42 @@ class CkptflowCheckpointIO(_IO):
         if pool is not None:
             pool.shutdown(wait=True)
         self._raise()
+
+
+def _on_rank0(fn: Callable[[], str]) -> str:
+    """``fn()`` on rank 0 of Lightning's group and its answer (or its error) on every rank: one copy is
+    checked and brought, and every rank loads the same step. The broadcast has the group's timeout."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return fn()
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", fn())
+        except Exception as e:  # noqa: BLE001 - every rank raises it, not rank 0 alone
+            box[0] = ("error", f"{type(e).__name__}: {e}")
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind != "ok":
+        raise CheckpointNotFoundError(f"rank 0 could not resolve the checkpoint to resume from: {value}")
+    return value
+
+
+def _next_epoch_starts_afresh(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """``checkpoint`` without its loaders' state when taken at an epoch's last batch (see the module's doc);
+    Lightning's dict itself is left as it is."""
+    loops = checkpoint.get("loops")
+    fit = loops.get("fit_loop") if isinstance(loops, dict) else None
+    if not isinstance(loops, dict) or not isinstance(fit, dict):
+        return checkpoint
+    if not fit.get("epoch_loop.batch_progress", {}).get("is_last_batch"):
+        return checkpoint
+    state = fit.get("state_dict", {})
+    if not state.get("combined_loader"):
+        return checkpoint
+    state = {k: v for k, v in state.items() if k != "combined_loader"}
+    return {**checkpoint, "loops": {**loops, "fit_loop": {**fit, "state_dict": state}}}
 
 
 def _remove(path: str) -> None:

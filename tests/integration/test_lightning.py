@@ -1,14 +1,16 @@
 """PyTorch Lightning through ``CkptflowCheckpointIO``: the real Lightning trains with DDP on 2
-processes (gloo) under torchrun, a worker is SIGKILLed mid-run, torchrun restarts both, and
-``fit(ckpt_path="last")`` resumes from the newest committed checkpoint: the steps the first attempt
-ran after that checkpoint give bitwise the same losses on every rank when run again (weights,
-optimizer, scheduler, the data loader's place mid-epoch and — through ``RNGState`` — dropout's
-random numbers)."""
+processes (gloo) under torchrun, a worker is SIGKILLed, torchrun restarts both, and
+``fit(ckpt_path="last")`` resumes from the newest committed checkpoint, twice: once from one taken at
+an epoch's last batch, once from one in the middle of an epoch. The steps the killed attempt ran after
+that checkpoint give bitwise the same losses on every rank when run again (weights, optimizer,
+scheduler, the data loader's place and — through ``RNGState`` — dropout's random numbers). And the
+README's snippet, run as printed, resumes from cold once hot and warm are gone."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 
 import torch
@@ -30,7 +32,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from ckptflow.integrations.lightning import CkptflowCheckpointIO, RNGState
 
 OUT, HOT = os.environ["OUT"], os.environ["HOT"]
-KILL_AT = int(os.environ["KILL_AT"])
+KILL_AT = [int(s) for s in os.environ["KILL_AT"].split(",")]
 rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 
 
@@ -52,7 +54,7 @@ class Record(L.Callback):
     def on_train_batch_end(self, trainer, module, outputs, batch, i):
         with open(os.path.join(OUT, f"losses.r{rank}.a{attempt}"), "a") as f:
             f.write(f"{trainer.global_step} {outputs['loss'].item().hex()}\n")
-        if attempt == 0 and rank == 1 and trainer.global_step == KILL_AT:
+        if attempt < len(KILL_AT) and rank == 1 and trainer.global_step == KILL_AT[attempt]:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -70,10 +72,10 @@ data = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g), torch.ran
 loader = StatefulDataLoader(data, batch_size=4, sampler=StatefulDistributedSampler(data, shuffle=True, seed=0))
 trainer = L.Trainer(
     accelerator="cpu", devices=2, strategy=DDPStrategy(timeout=timeout), use_distributed_sampler=False,
-    max_steps=14, logger=False, enable_progress_bar=False, enable_model_summary=False,
+    max_steps=16, logger=False, enable_progress_bar=False, enable_model_summary=False,
     plugins=[CkptflowCheckpointIO(run_id="lit", root=HOT)],
     callbacks=[RNGState(), Record(),
-               ModelCheckpoint(dirpath=os.path.join(OUT, "ckpt"), every_n_train_steps=3, save_last=True)],
+               ModelCheckpoint(dirpath=os.path.join(OUT, "ckpt"), every_n_train_steps=4, save_last=True)],
 )
 trainer.fit(Model(), loader, ckpt_path="last")
 sys.stdout.flush()
@@ -96,20 +98,23 @@ def test_a_ddp_run_killed_mid_run_resumes_from_the_last_commit_to_the_same_losse
     script.write_text(SCRIPT)
     out, hot = tmp_path / "out", tmp_path / "hot"
     out.mkdir()
-    cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1"]
+    cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=2"]
     cmd += ["--monitor-interval=0.5", str(script)]
-    env = torchrun_env({"OUT": str(out), "HOT": str(hot), "KILL_AT": "11"})
+    env = torchrun_env({"OUT": str(out), "HOT": str(hot), "KILL_AT": "10,14"})
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stderr[-4000:]
 
     run = hot / "lit"
     steps = committed_steps(str(run))
-    assert {3, 6, 9, 12} <= set(steps), steps
+    assert steps == [16, 12, 8, 4], steps
     assert [x["step"] for x in read_outbox(str(run))] == sorted(steps)
     for rank in (0, 1):
-        first, again = _losses(out, rank, 0), _losses(out, rank, 1)
-        assert max(first) == 11 and min(again) == 10 and max(again) == 14, (first, again)  # resumed after step 9
-        assert {s: again[s] for s in (10, 11)} == {s: first[s] for s in (10, 11)}, (rank, first, again)
+        # 8 batches an epoch: step 8 is epoch 0's last batch (a stateful loader's state then says "all
+        # yielded", and Lightning would skip epoch 1), step 12 the middle of epoch 1
+        a0, a1, a2 = (_losses(out, rank, a) for a in (0, 1, 2))
+        assert (min(a1), max(a1), min(a2), max(a2)) == (9, 14, 13, 16), (a0, a1, a2)
+        assert {s: a1[s] for s in (9, 10)} == {s: a0[s] for s in (9, 10)}, (rank, a0, a1)
+        assert {s: a2[s] for s in (13, 14)} == {s: a1[s] for s in (13, 14)}, (rank, a1, a2)
 
     # last.ckpt names the newest commit (the same file), and the committed file parses without pickle.
     newest = run / layout.step_name(max(steps))
@@ -119,11 +124,104 @@ def test_a_ddp_run_killed_mid_run_resumes_from_the_last_commit_to_the_same_losse
     assert parse_check(str(newest), m)["ok"]
     assert torch.load(out / "ckpt" / "last.ckpt", weights_only=True)["global_step"] == max(steps)
 
-    # A damaged newest checkpoint is passed over for the newest one before it that verifies.
+    # A last.ckpt that trails its commit (killed between the commit and the link) still resumes from the newest
+    io = CkptflowCheckpointIO(run_id="lit", root=str(hot))
+    os.remove(out / "ckpt" / "last.ckpt")
+    os.link(run / layout.step_name(12) / FILE, out / "ckpt" / "last.ckpt")
+    assert io.load_checkpoint(out / "ckpt" / "last.ckpt", weights_only=True)["global_step"] == 16
+
+    # A damaged newest checkpoint is set aside (no longer committed) for the newest one before it that verifies
     with open(newest / FILE, "r+b") as f:
         f.seek(100)
         f.write(b"\xff" * 16)
-    io = CkptflowCheckpointIO(run_id="lit", root=str(hot))
     back = io.load_checkpoint(out / "ckpt" / "last.ckpt", weights_only=True)
-    assert back["global_step"] == sorted(steps)[-2], back["global_step"]
+    assert back["global_step"] == 12, back["global_step"]
+    assert committed_steps(str(run)) == [12, 8, 4] and io.last() == str(run / layout.step_name(12) / FILE)
     assert json.dumps(back["loops"]["fit_loop"]["epoch_progress"])  # Lightning's own state, whole
+
+
+# The README's snippet, run as printed (its save interval cut to 3 steps), as one process would: `model`,
+# `loader` and the Trainer's length come from this prelude, every other word from the README.
+PRELUDE = r"""
+import functools, os, types
+import lightning
+import torch
+from torch import nn
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+OUT = os.environ["OUT"]
+L = types.SimpleNamespace(Trainer=functools.partial(
+    lightning.Trainer, accelerator="cpu", devices=1, max_steps=int(os.environ["MAX_STEPS"]),
+    enable_progress_bar=False, enable_model_summary=False))
+
+
+class Model(lightning.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 1))
+
+    def training_step(self, batch, i):
+        loss = nn.functional.mse_loss(self.net(batch[0]), batch[1])
+        with open(OUT, "a") as f:
+            f.write(f"{self.trainer.global_step} {loss.item().hex()}\n")
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+lightning.seed_everything(0, verbose=False)
+g = torch.Generator().manual_seed(1)
+data = torch.utils.data.TensorDataset(torch.randn(24, 8, generator=g), torch.randn(24, 1, generator=g))
+loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
+model = Model()
+"""
+
+
+def _readme_snippet() -> str:
+    text = open(os.path.join(REPO, "README.md")).read()
+    block = text.split("**PyTorch Lightning**", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    assert "every_n_train_steps=500" in block and "ckpt_path=io.last()" in block, block
+    return block.replace("every_n_train_steps=500", "every_n_train_steps=3")
+
+
+def test_the_readme_snippet_resumes_from_cold_when_hot_and_warm_are_gone(tmp_path, s3_endpoint, s3_bucket):
+    from ckptflow.tasks.config import load_config
+    from ckptflow.tasks.storage import open_tiers
+    from ckptflow.tasks.transfer import archive, promote
+    from tests.helpers import write_config
+
+    hot = tmp_path / "hot"
+    cfg = write_config(tmp_path, hot, s3_endpoint, s3_bucket, hot_keep=5)
+    snippet = _readme_snippet()
+    for name, text in (("fit.py", snippet), ("fresh.py", snippet.replace("ckpt_path=io.last()", "ckpt_path=None"))):
+        (tmp_path / name).write_text(PRELUDE + text)
+
+    def fit(script: str, out: str, max_steps: int) -> subprocess.CompletedProcess:
+        env = torchrun_env({"OUT": str(tmp_path / out), "MAX_STEPS": str(max_steps), "CKPTFLOW_CONFIG": cfg})
+        return subprocess.run([PY, script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+    first = fit("fit.py", "first", 9)
+    assert first.returncode == 0, first.stderr[-4000:]
+    run = hot / "lit"
+    assert committed_steps(str(run)) == [9, 6, 3]
+    h, warm, cold = open_tiers(load_config(cfg))
+    promote(h, warm, "lit", 6)
+    archive(warm, cold, "lit", 6)
+    shutil.rmtree(run)  # the disk replaced: the run's hot folder and Lightning's logs are gone
+    shutil.rmtree(tmp_path / "warm")
+    shutil.rmtree(tmp_path / "lightning_logs")
+
+    back = fit("fit.py", "back", 9)
+    assert back.returncode == 0, back.stderr[-4000:]
+    assert "lit resumes from step 6, from the cold tier" in back.stderr, back.stderr[-3000:]
+    a = dict(line.split() for line in open(tmp_path / "first"))
+    b = dict(line.split() for line in open(tmp_path / "back"))
+    assert sorted(map(int, b)) == [6, 7, 8] and {s: a[s] for s in b} == b  # bitwise the uninterrupted run's
+    assert committed_steps(str(run)) == [9, 6], "step 6 brought into hot as committed, step 9 saved anew"
+
+    # Started without resuming over that history: refused at the first save, before anything is written
+    fresh = fit("fresh.py", "fresh", 9)
+    assert fresh.returncode != 0
+    assert "second history" in fresh.stderr and "ckpt_path=io.last()" in fresh.stderr, fresh.stderr[-3000:]
+    assert committed_steps(str(run)) == [9, 6]
