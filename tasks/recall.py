@@ -40,10 +40,11 @@ class TierRecall:
                 raise OSError(f"the {t.name} tier ({t.url}) cannot be listed: {type(e).__name__}: {e}") from e
         return held
 
-    def bring(self, run_id: str, step: int, step_dir: str) -> Brought:
+    def bring(self, run_id: str, step: int, step_dir: str, only: set[str] | None = None) -> Brought:
         from ckptflow.tasks.transfer import restore
 
-        got = restore(self.tiers, run_id, step_dir, step=step, holder="ckptflow resume")  # a failed fetch leaves none
+        # a failed fetch leaves no step_dir
+        got = restore(self.tiers, run_id, step_dir, step=step, holder="ckptflow resume", only=only)
         f = got.fetch
         log.info(
             "brought step %d of %s back from %s (%d files, %d bytes, %.2f s)",

@@ -58,8 +58,9 @@ class Recall(Protocol):
         tier when one cannot be listed."""
         ...
 
-    def bring(self, run_id: str, step: int, step_dir: str) -> Brought:
-        """Fetch ``step`` into ``step_dir`` (absent), every byte verified, committed there with its manifest.
+    def bring(self, run_id: str, step: int, step_dir: str, only: set[str] | None = None) -> Brought:
+        """Fetch ``step`` into ``step_dir`` (absent), every byte verified, committed there with its manifest
+        (``only``: these members alone, the manifest listing them all: a node's part).
         Raises IntegrityError (or CheckpointNotFoundError) naming every copy tried when none verifies, and
         DestinationError when ``step_dir`` cannot be written."""
         ...

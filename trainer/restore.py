@@ -7,8 +7,9 @@ same load. Mismatched provenance is refused unless allowed; a wrong ``latest`` i
 
 With tiers beyond the hot root (``trainer/recall.py``): rank 0 lists them once (bounded retries) and shares
 the answer; a step they hold that is newer than every good step on hot is brought into the hot root, verified,
-and loaded like a hot one. A tier unreachable when it is needed: stop, naming it, rather than start at 0 or go
-on from an older step than the tiers may hold.
+and loaded like a hot one. Node-local roots that all lost the run: each node brings back the files its ranks
+read. A tier unreachable when it is needed: stop, naming it, rather than start at 0 or go on from an older step
+than the tiers may hold.
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from ckptflow.trainer.config import Provenance
 from ckptflow.trainer.distenv import DistEnv, gather
 from ckptflow.trainer.errors import CheckpointNotFoundError, CkptflowError, ConfigError, IntegrityError, LoadError
 from ckptflow.trainer.format import commit, layout
-from ckptflow.trainer.format.manifest import Manifest
+from ckptflow.trainer.format.atomicity import RENAME
+from ckptflow.trainer.format.manifest import Manifest, read_manifest
+from ckptflow.trainer.fsutil import remove_tree
 from ckptflow.trainer.loader import Reshard, files_read, load_target, load_verified
 from ckptflow.trainer.nodes.topology import Topology
 from ckptflow.trainer.nodes.twolevel import not_recoverable_error, resume_point
@@ -219,8 +222,16 @@ def _tier_steps(r: Resume) -> set[int]:
 
 
 def _on_rank0(env: DistEnv, work: Callable[[], T], name: str) -> tuple[T | None, str]:
-    """``work()`` on rank 0, in a thread, while every rank meets in short agreed rounds (no one collective
-    outlasts the group's timeout however long it takes); all get (its result, "") or (None, why it failed)."""
+    """``work()`` on rank 0 (``_on_each``); every rank gets (its result, "") or (None, why it failed)."""
+    outcome = _on_each(env, work, name, here=env.rank == 0)[0]
+    assert outcome is not None
+    return outcome
+
+
+def _on_each(env: DistEnv, work: Callable[[], T], name: str, *, here: bool) -> list[tuple[T | None, str] | None]:
+    """``work()`` on every rank where ``here`` (agreed per rank), in a thread, while every rank meets in short
+    agreed rounds (no one collective outlasts the group's timeout however long it takes). Every rank gets each
+    rank's outcome, in rank order: (its result, "") or (None, why it failed); None where nothing ran."""
     box: list[tuple[T | None, str]] = []
 
     def run() -> None:
@@ -231,16 +242,16 @@ def _on_rank0(env: DistEnv, work: Callable[[], T], name: str) -> tuple[T | None,
         except BaseException as e:  # noqa: BLE001 - any failure must reach the other ranks, not hang them
             box.append((None, f"{type(e).__name__}: {e}"))
 
-    t = threading.Thread(target=run, name=f"ckptflow-{name}", daemon=True) if env.rank == 0 else None
+    t = threading.Thread(target=run, name=f"ckptflow-{name}", daemon=True) if here else None
     if t is not None:
         t.start()
     while True:
         if t is not None:
             t.join(timeout=min(10.0, env.ckpt_timeout_s / 4))
-        mine = box[0] if box else None
-        outcome: tuple[T | None, str] | None = gather(mine, env.ckpt_group)[0] if env.world_size > 1 else mine
-        if outcome is not None:
-            return outcome
+        mine = (box[0] if box else None, here)
+        every = gather(mine, env.ckpt_group) if env.world_size > 1 else [mine]
+        if all(outcome is not None for outcome, ran in every if ran):
+            return [outcome if ran else None for outcome, ran in every]
 
 
 def _bring(r: Resume, step: int, damaged_here: set[int]) -> Brought:
@@ -313,15 +324,23 @@ def _resume_nodes(r: Resume, state: TrainState, load: Callable[[str, Manifest], 
     if env.rank == 0:
         for step, why in rep.skipped:
             log.warning("resume: skipping %s: %s", step, why)
+    brought: Brought | None = None
+    parts: list[tuple[str, Brought]] = []
     if rep.step is None or rep.manifest is None:
         held = _tier_steps(r)
-        if held:  # never start over while the tiers hold the run
-            raise CheckpointNotFoundError(
-                f"no node's root holds a checkpoint of {r.run_path}, but {r.recall.describe() if r.recall else ''} "
-                f"hold steps {_shown(sorted(held, reverse=True))}; bringing one back onto node-local roots is not "
-                f"automatic yet: on every node run 'ckptflow restore {os.path.basename(r.run_path)} --step "
-                f"{max(held)} --to {r.run_path}/{layout.step_name(max(held))}', then start the job again"
+        if held:  # never start over while the tiers hold the run: each node brings back what its ranks read
+            rep.step, rep.manifest, parts = _bring_to_nodes(r, held, needs)
+            b = parts[0][1]
+            brought = Brought(
+                b.step,
+                b.tier,
+                b.uri,
+                sum(p.files for _, p in parts),
+                sum(p.bytes_fetched for _, p in parts),
+                max(p.seconds for _, p in parts),
             )
+            rep.path = os.path.join(r.run_path, layout.step_name(rep.step))
+    if rep.step is None or rep.manifest is None:
         if r.required or rep.skipped:
             raise not_recoverable_error(r.run_path, rep.skipped)
         if rep.set_aside:  # agreed: every rank has every node's answer
@@ -338,7 +357,20 @@ def _resume_nodes(r: Resume, state: TrainState, load: Callable[[str, Manifest], 
     if topo.is_leader and rep.latest_was != rep.step:
         log.warning("resume: node %s's 'latest' named %s; repaired to step %d", topo.node_id, rep.latest_was, rep.step)
         commit.write_latest(r.run_path, rep.step)
-    if env.rank == 0:
+    if env.rank == 0 and brought is not None:
+        log.info(
+            "resumed from step %d on %d nodes, brought back from the %s tier (%s): %d files, %d bytes in %.2f s "
+            "(each node what its ranks read: %s)",
+            brought.step,
+            topo.n_nodes,
+            brought.tier,
+            brought.uri,
+            brought.files,
+            brought.bytes_fetched,
+            brought.seconds,
+            "; ".join(f"node {n} {p.files} files, {p.bytes_fetched} bytes" for n, p in parts),
+        )
+    elif env.rank == 0:
         got: dict[tuple[str, str], list[str]] = {}
         for name, src, dst in rep.fetched:
             got.setdefault((src, dst), []).append(name)
@@ -349,4 +381,71 @@ def _resume_nodes(r: Resume, state: TrainState, load: Callable[[str, Manifest], 
             or "every node read its own disk"
         )
         log.info("resumed from step %d on %d nodes: %s", rep.step, topo.n_nodes, how)
-    return LoadResult(rep.step, rep.path, [(s, w) for s, w in rep.skipped], mism, rep.fetched)
+    return LoadResult(rep.step, rep.path, [(s, w) for s, w in rep.skipped], mism, rep.fetched, brought=brought)
+
+
+def _bring_to_nodes(
+    r: Resume, held: set[int], needs: Callable[[str, Manifest], set[str]]
+) -> tuple[int, Manifest, list[tuple[str, Brought]]]:
+    """No node holds a checkpoint and the tiers do: the newest step whose parts every node can bring back. Each
+    node's leader fetches ``.metadata`` (every byte checked) into the step's staging folder, every rank plans its
+    load from it, then each leader fetches the files its node's ranks read into the step folder, committed there
+    by the fetch's rename under the tiers' manifest: each node holds its part, as after a save. Every outcome is
+    shared, so the ranks move to an older step together; CheckpointNotFoundError naming each failure when none
+    can be brought."""
+    env, topo = r.env, r.topology
+    assert r.recall is not None
+    recall, run_id = r.recall, os.path.basename(r.run_path)
+    tried: list[str] = []
+    for step in sorted(held, reverse=True):
+        stage = RENAME.staging_url(r.run_path, step)
+        step_dir = os.path.join(r.run_path, layout.step_name(step))
+
+        def plan_from(step: int = step, stage: str = stage, step_dir: str = step_dir) -> Brought:
+            if os.path.lexists(step_dir):  # this node's damaged copy: set aside, not overwritten
+                commit.set_aside(r.run_path, step, ["replaced by the copy on the tiers"], found_by="resume")
+            remove_tree(stage)  # a crashed save's staging folder is never trusted
+            return recall.bring(run_id, step, stage, only={layout.DCP_METADATA})
+
+        failed = _failures(_on_each(env, plan_from, f"plan-{step}", here=topo.is_leader), topo)
+        if not failed:
+            try:  # every rank answers, failed or not: one that raised alone would leave the others in gather
+                manifest = read_manifest(stage)
+                answer: tuple[bool, object] = (True, sorted(needs(stage, manifest)))
+            except Exception as e:  # noqa: BLE001 - shared below
+                answer = (False, f"rank {env.rank}: {type(e).__name__}: {e}")
+            answers = gather(answer, env.ckpt_group) if env.world_size > 1 else [answer]
+            failed = [str(why) for ok, why in answers if not ok]
+        if not failed:
+            reads = [cast(list[str], why) for _, why in answers]
+            mine = {f for rank in topo.domains[topo.domain] for f in reads[rank]} | {layout.DCP_METADATA}
+
+            def part(step: int = step, stage: str = stage, step_dir: str = step_dir, mine: set[str] = mine) -> Brought:
+                remove_tree(stage)
+                return recall.bring(run_id, step, step_dir, only=mine)
+
+            outcomes = _on_each(env, part, f"bring-{step}", here=topo.is_leader)
+            failed = _failures(outcomes, topo)
+            if not failed:
+                each = [(topo.node_ids[i], outcomes[d[0]]) for i, d in enumerate(topo.domains)]
+                parts = [(node, o[0]) for node, o in each if o is not None and o[0] is not None]
+                return step, manifest, parts
+        tried += [f"step {step}: {why}" for why in failed]
+        log.warning("resume: step %d cannot be brought back from %s: %s", step, recall.describe(), failed[0])
+        if topo.is_leader:
+            remove_tree(stage)
+            # a part this node did bring is of no use without the others' (the tiers keep the step)
+            if not os.path.islink(step_dir) and os.path.isdir(step_dir):
+                remove_tree(step_dir)
+    raise CheckpointNotFoundError(
+        f"no node's root holds a checkpoint of {r.run_path}, and none on {recall.describe()} could be brought back: "
+        + "; ".join(tried[:4])
+    )
+
+
+def _failures(outcomes: list[tuple[T | None, str] | None], topo: Topology) -> list[str]:
+    return [
+        f"node {topo.node_ids[topo.domain_of(rank)]}: {o[1]}"
+        for rank, o in enumerate(outcomes)
+        if o is not None and o[0] is None
+    ]

@@ -117,8 +117,10 @@ def demo(
     w = getattr(out, "way_back", None)
     if w is not None and w.step is not None:
         con.print(
-            f"the way back: hot wiped and warm offline; step {w.step} brought back from {w.tier} by the job itself "
-            f"({w.bytes_fetched / 1e6:.1f} MB fetched; the job's whole run {w.seconds:.1f} s); steps "
+            f"the way back: {'every node' + chr(39) + 's disk' if nodes > 1 else 'hot'} wiped and warm offline; "
+            f"step {w.step} brought back from {w.tier} by the job itself"
+            f"{', each node what its rank reads' if nodes > 1 else ''} ({w.bytes_fetched / 1e6:.1f} MB fetched; the "
+            f"job's whole run {w.seconds:.1f} s); steps "
             f"{w.steps[0]}-{w.steps[-1]} {'[green]bitwise equal[/]' if w.bitwise else '[red]differ from[/]'} "
             "to the run before"
         )

@@ -12,11 +12,15 @@
 4. every commit's lifecycle runs per node: each node stages its part on warm (the lost node's
    parts come from replicas after ``node_part_timeout_s``), warm commits the whole, verify
    runs once on it, archive to S3, prune per node and tier;
-5. a restore drill from cold, and the summary.
+5. a restore drill from cold;
+6. the way back: both nodes' disks wiped and warm offline, the same job started again brings step N
+   back from cold, each node the files its rank reads, and trains on bitwise as the run before;
+7. the summary.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -31,6 +35,7 @@ from ckptflow.demo import services
 from ckptflow.demo.runner import (
     BUCKET,
     RUN_ID,
+    WAY_BACK_STEPS,
     DemoOutcome,
     DemoSettings,
     _checkpoint_rows,
@@ -38,6 +43,7 @@ from ckptflow.demo.runner import (
     lifecycle_names,
     lifecycle_problems,
 )
+from ckptflow.demo.wayback import Job
 from ckptflow.harness import NodeAgents, Supervisor
 
 POOL = "ckptflow-pool"
@@ -188,6 +194,23 @@ def run_node_demo(s: DemoSettings, nodes: int = 2, say: Callable[[str], None] = 
         except DrillFailed as e:
             out.drill = {"ok": False, "error": str(e)}
             out.problems.append(str(e))
+        if steps and not lifecycle_problems(lifecycle_names(RUN_ID, steps), out.lifecycle_states):
+            from ckptflow.demo.wayback import way_back
+
+            # only once every lifecycle is over: none may still write to warm
+            out.way_back = way_back(
+                runs=[os.path.join(r, RUN_ID) for r in roots],
+                wipe=roots,
+                warm=os.path.join(wd, "warm"),
+                run_id=RUN_ID,
+                last=max(steps),
+                more=WAY_BACK_STEPS,
+                job=_agents_job(roots, node_cfg, ["--run-id", RUN_ID, "--model", s.model], logs),
+                env=dict(env, CKPTFLOW_CONFIG=node_cfg[0]),
+                say=say,
+            )
+            if not out.way_back.ok:
+                out.problems.append(f"the way back: {out.way_back.problem}")
     out.problems += lifecycle_problems(
         lifecycle_names(RUN_ID, [c["step"] for c in out.checkpoints]), out.lifecycle_states
     )
@@ -203,6 +226,7 @@ def run_node_demo(s: DemoSettings, nodes: int = 2, say: Callable[[str], None] = 
                 "resumed": out.resumed,
                 "lifecycle_states": out.lifecycle_states,
                 "drill": out.drill,
+                "way_back": dataclasses.asdict(out.way_back) if out.way_back is not None else None,
                 "seconds": out.seconds,
             },
             f,
@@ -210,6 +234,24 @@ def run_node_demo(s: DemoSettings, nodes: int = 2, say: Callable[[str], None] = 
             default=str,
         )
     return out
+
+
+def _agents_job(roots: list[str], configs: list[str], args: list[str], logs: str) -> Job:
+    """The way back's job on node-local roots: both agents, each node with its own config (its root, the tiers)
+    when the environment names one, a checkpoint at the last step only."""
+
+    def job(steps: int, extra: list[str], env: dict, log_name: str) -> tuple[int, str]:
+        log_dir = os.path.join(logs, log_name.removesuffix(".log"))
+        os.makedirs(log_dir, exist_ok=True)
+        run_args = [*args, "--max-steps", str(steps), "--save-every", str(steps), *extra]
+        with NodeAgents(roots, run_args, env=env, log_dir=log_dir) as agents:
+            for i, cfg in enumerate(configs):
+                agents.start(i, env={"CKPTFLOW_CONFIG": cfg} if "CKPTFLOW_CONFIG" in env else None)
+            rcs = agents.wait(600)
+            text = "\n".join(agents.output(i) for i in range(len(roots)))
+        return (0 if all(rc == 0 for rc in rcs) else 1), text
+
+    return job
 
 
 def _wait_step(roots: list[str], step: int, timeout: float) -> None:

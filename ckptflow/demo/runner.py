@@ -276,17 +276,18 @@ def run_demo(s: DemoSettings, say: Callable[[str], None] = print) -> DemoOutcome
             out.problems.append(str(e))
         pending = lifecycle_problems(lifecycle_names(RUN_ID, steps), out.lifecycle_states)
         if steps and not pending:  # only once every lifecycle is over: none may still write to warm
-            from ckptflow.demo.wayback import way_back
+            from ckptflow.demo.wayback import torchrun_job, way_back
 
+            run = os.path.join(wd, "hot", RUN_ID)
             out.way_back = way_back(
-                root=os.path.join(wd, "hot"),
+                runs=[run],
+                wipe=[run],
                 warm=os.path.join(wd, "warm"),
                 run_id=RUN_ID,
                 last=max(steps),
                 more=WAY_BACK_STEPS,
-                model=s.model,
+                job=torchrun_job(os.path.join(wd, "hot"), RUN_ID, s.model, logs),
                 env=env,
-                log_dir=logs,
                 say=say,
             )
             if not out.way_back.ok:

@@ -1,10 +1,11 @@
 """The demo's last act: the hot tier is lost, and the same job comes back from cold by itself.
 
 First the run goes on from hot for a few steps with the tiers off and no events (the reference: what
-the run does next). Then the run's hot folder is wiped, as when a cluster is replaced, and its warm
-folder is taken offline; the same command is started again with the config the CLI reads: its resume
-finds nothing on hot or warm, brings the newest step back from cold (every byte checked), and trains
-the same few steps, which must be bitwise the reference's.
+the run does next). Then the run's hot folder is wiped (on node-local roots, every node's disk), as
+when a cluster is replaced, and its warm folder is taken offline; the same command is started again
+with the config the CLI reads: its resume finds nothing on hot or warm, brings the newest step back
+from cold (every byte checked; on node-local roots each node what its ranks read), and trains the
+same few steps, which must be bitwise the reference's.
 """
 
 from __future__ import annotations
@@ -21,9 +22,16 @@ from dataclasses import dataclass
 from ckptflow.harness import torchrun
 from ckptflow.trainer.reference.metrics import last_per_step, read_metrics
 
-__all__ = ["WayBack", "way_back"]
+__all__ = ["WayBack", "torchrun_job", "way_back"]
 
-_BROUGHT = re.compile(r"resumed from step (\d+) brought back from the (\w+) tier \((.*?)\): (\d+) files, (\d+) bytes")
+# The trainer's line, one shared root or node-local roots
+_BROUGHT = re.compile(
+    r"resumed from step (\d+)(?: on \d+ nodes,)? brought back from the (\w+) tier \((.*?)\): (\d+) files, (\d+) bytes"
+)
+
+Job = Callable[[int, list[str], dict, str], tuple[int, str]]
+"""Runs the demo's training job to a step with extra flags, an environment and a log name; returns its exit
+code and its output."""
 
 
 @dataclass
@@ -39,39 +47,52 @@ class WayBack:
     problem: str = ""
 
 
-def _job(root: str, run_id: str, steps: int, model: str, env: dict, log: str, *extra: str) -> int:
-    args = ["--ckpt-root", root, "--run-id", run_id, "--max-steps", str(steps), "--save-every", str(steps)]
-    cmd = torchrun("ckptflow.trainer.train", [*args, "--model", model, *extra], nproc=2)
-    with open(log, "w") as f:
-        # its own session: a job that outlives the timeout is stopped with its workers, not only torchrun
-        p = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            return p.wait(timeout=600)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-            return -signal.SIGKILL
+def torchrun_job(root: str, run_id: str, model: str, log_dir: str) -> Job:
+    """The single-root demo's job: 2 ranks under torchrun, a checkpoint at its last step only."""
+
+    def job(steps: int, extra: list[str], env: dict, log_name: str) -> tuple[int, str]:
+        args = ["--ckpt-root", root, "--run-id", run_id, "--max-steps", str(steps), "--save-every", str(steps)]
+        cmd = torchrun("ckptflow.trainer.train", [*args, "--model", model, *extra], nproc=2)
+        log = os.path.join(log_dir, log_name)
+        with open(log, "w") as f:
+            # its own session: a job that outlives the timeout is stopped with its workers, not only torchrun
+            p = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                rc = p.wait(timeout=600)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+                rc = -signal.SIGKILL
+        with open(log) as f:
+            return rc, f.read()
+
+    return job
+
+
+def _rows(runs: list[str]) -> dict[int, dict]:
+    """The last row of each step across the runs' folders (on node-local roots, whichever held rank 0)."""
+    return last_per_step(sorted((r for run in runs for r in read_metrics(run)), key=lambda r: r["wall"]))
 
 
 def way_back(
     *,
-    root: str,
+    runs: list[str],
+    wipe: list[str],
     warm: str,
     run_id: str,
     last: int,
     more: int,
-    model: str,
+    job: Job,
     env: dict,
-    log_dir: str,
     say: Callable[[str], None] = print,
 ) -> WayBack:
-    """``last``: the run's newest step (on cold by now); ``more``: the steps trained after it, twice."""
-    run = os.path.join(root, run_id)
+    """``last``: the run's newest step (on cold by now); ``more``: the steps trained after it, twice. ``runs``: the
+    run's hot folders (one per node); ``wipe``: the folders emptied, as a replaced disk is."""
     quiet = {k: v for k, v in env.items() if k not in ("PREFECT_API_URL", "CKPTFLOW_CONFIG")}
-    ref_log, back_log = os.path.join(log_dir, "way-back-reference.log"), os.path.join(log_dir, "way-back.log")
-    if _job(root, run_id, last + more, model, quiet, ref_log, "--tiers", "none") != 0:
-        return WayBack(False, problem=f"the reference continuation failed; log: {ref_log}")
-    rows = last_per_step(read_metrics(run))
+    rc, _ = job(last + more, ["--tiers", "none"], quiet, "way-back-reference.log")
+    if rc != 0:
+        return WayBack(False, problem="the reference continuation failed; log: way-back-reference.log")
+    rows = _rows(runs)
     want = {s: (rows[s]["loss"], rows[s]["lr"]) for s in range(last + 1, last + more + 1) if s in rows}
     # Warm is taken offline (moved out of the tier, and back after: its exports are the demo's output)
     offline = os.path.join(os.path.dirname(os.path.abspath(warm)), f"warm-offline-{run_id}")
@@ -79,25 +100,24 @@ def way_back(
         os.rename(os.path.join(warm, run_id), offline)
     except OSError as e:
         return WayBack(False, problem=f"could not take warm offline ({e}); hot left as it was")
-    shutil.rmtree(run)
-    say(f"the way back: {run} wiped and warm offline; the same job started again ...")
+    for folder in wipe:
+        shutil.rmtree(folder)
+        os.makedirs(folder)
+    say(f"the way back: {', '.join(wipe)} wiped and warm offline; the same job started again ...")
     t0 = time.monotonic()
     try:
         # The config as the CLI reads it ($CKPTFLOW_CONFIG); no events: the demo's lifecycles are over
-        quiet_api = {k: v for k, v in env.items() if k != "PREFECT_API_URL"}
-        rc = _job(root, run_id, last + more, model, quiet_api, back_log)
+        rc, text = job(last + more, [], {k: v for k, v in env.items() if k != "PREFECT_API_URL"}, "way-back.log")
     finally:
         try:
             os.rename(offline, os.path.join(warm, run_id))
         except OSError as e:
             say(f"could not put warm back ({e}); it is at {offline}")
     took = time.monotonic() - t0
-    with open(back_log) as f:
-        found = _BROUGHT.search(f.read())
+    found = _BROUGHT.search(text)
     if rc != 0 or found is None:
-        return WayBack(False, problem=f"the job did not come back from the tiers (exit {rc}); log: {back_log}")
-    rows = last_per_step(read_metrics(run))
-    got = {s: (r["loss"], r["lr"]) for s, r in rows.items()}
+        return WayBack(False, problem=f"the job did not come back from the tiers (exit {rc}); log: way-back.log")
+    got = {s: (r["loss"], r["lr"]) for s, r in _rows(runs).items()}
     out = WayBack(True, int(found[1]), found[2], int(found[5]), took, sorted(got), got == want)
     if not out.bitwise:
         out.ok, out.problem = False, f"steps after the way back differ from the run before: {got} vs {want}"

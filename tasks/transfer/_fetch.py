@@ -60,9 +60,19 @@ def progress_total(tier: Tier, index: TierIndex) -> int:
 
 
 def fetch(
-    tier: Tier, run_id: str, step: int, dst_dir: str, *, threads: int | None = None, progress: Progress | None = None
+    tier: Tier,
+    run_id: str,
+    step: int,
+    dst_dir: str,
+    *,
+    threads: int | None = None,
+    progress: Progress | None = None,
+    only: set[str] | None = None,
 ) -> FetchResult:
     """Download and decode ``run_id``/``step`` from ``tier`` into ``dst_dir`` (absent or empty).
+
+    ``only``: fetch these members alone (with the manifest, which lists them all): a node that brings back
+    what its ranks read, not the whole checkpoint. ConfigError when one is not in the checkpoint.
 
     Raises CheckpointNotFoundError if the step is not committed there, IntegrityError
     naming the object when any byte differs from the index or the manifest. ``progress``
@@ -71,6 +81,12 @@ def fetch(
     """
     t0 = time.perf_counter()
     ckpt = tier.open_checkpoint(run_id, step)
+    items = sorted(ckpt.index.files.items())
+    if only is not None:
+        unknown = only - set(ckpt.index.files)
+        if unknown:
+            raise ConfigError(f"{ckpt.uri} holds no {sorted(unknown)[:3]}; cannot fetch them")
+        items = [(n, f) for n, f in items if n in only]
     dst_dir = os.path.abspath(dst_dir)
     check_destination(dst_dir)
     part = ""
@@ -92,12 +108,11 @@ def fetch(
         run_id=run_id,
         step=step,
         dst_dir=dst_dir,
-        files=len(ckpt.index.files),
-        bytes_raw=ckpt.index.total_raw_bytes,
-        bytes_stored=ckpt.index.total_stored_bytes,
+        files=len(items),
+        bytes_raw=sum(f.size for _, f in items) if only is not None else ckpt.index.total_raw_bytes,
+        bytes_stored=sum(f.stored_size for _, f in items) if only is not None else ckpt.index.total_stored_bytes,
         codec=ckpt.index.codec,
     )
-    items = sorted(ckpt.index.files.items())
     workers = max(1, min(threads or 4, len(items)))
     try:
         with _destination(dst_dir, part, stored):
@@ -109,7 +124,7 @@ def fetch(
                 codec_threads = tier.config.codec_threads
                 run_all(lambda it: _decode(ckpt, it[0], local[it[0]], part, codec_threads, progress), items, workers)
             res.decompress_seconds = time.perf_counter() - tz
-            if layout.DCP_METADATA in ckpt.manifest.files:
+            if layout.DCP_METADATA in ckpt.manifest.files and (only is None or layout.DCP_METADATA in only):
                 # What `ckptflow verify` checks beyond the digests: an unsigned manifest can vouch for any
                 # bytes, so .metadata must also parse as DCP's (restricted, bounded) before it is handed on.
                 from ckptflow.trainer.format.dcpmeta import read_dcp_metadata

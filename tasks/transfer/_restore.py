@@ -52,11 +52,13 @@ def restore(
     holder: str | None = None,
     lease_ttl_s: float = 3600.0,
     progress: Callable[[int], None] | None = None,
+    only: set[str] | None = None,
 ) -> RestoreResult:
     """Fetch the newest good checkpoint of ``run_id`` (or exactly ``step``) into ``dst_dir``.
 
     ``tiers`` in restore order (hot, warm, cold). Raises CheckpointNotFoundError, listing
-    every candidate and why it was passed over, when none verifies.
+    every candidate and why it was passed over, when none verifies. ``only``: these members
+    alone (``fetch``).
     """
     t0 = time.perf_counter()
     skipped: list[Skipped] = []
@@ -79,7 +81,7 @@ def restore(
                 skipped.append(Skipped(uri, s, tier.name, "quarantined by the verify stage"))
                 continue
             with _lease(tier, run_id, s, holder, lease_ttl_s):
-                got = fetch(tier, run_id, s, dst_dir, threads=threads, progress=counted)
+                got = fetch(tier, run_id, s, dst_dir, threads=threads, progress=counted, only=only)
         except DestinationError:
             raise  # where it is written failed (a full disk, a symlink): no other candidate would fare better
         except (IntegrityError, CodecError, CheckpointNotFoundError, OSError) as e:

@@ -13,7 +13,8 @@ def test_node_demo_takes_every_checkpoint_through_the_node_workers_to_cold(tmp_p
     ``ckptflow worker`` per node, two torchrun agents on node-local roots whose commits reach the
     lifecycle by their real events; node 1 is lost and replaced by an empty node mid-run. Every
     checkpoint ends promoted from the nodes' parts, verified on warm (probe bitwise), exported as
-    safetensors by the general worker, archived and pruned; the drill restores the newest from cold."""
+    safetensors by the general worker, archived and pruned; the drill restores the newest from cold; and
+    with both nodes' disks wiped the job comes back from cold by itself, bitwise."""
     wd = tmp_path / "nodes"
     r = _demo(wd, "--nodes", "2", "--steps", "20", "--save-every", "10", "--kill-at", "15")
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
@@ -31,5 +32,10 @@ def test_node_demo_takes_every_checkpoint_through_the_node_workers_to_cold(tmp_p
     assert sorted(s["lifecycle_states"]) == [f"lifecycle-demo-step{n}" for n in (10, 20)]
     assert set(s["lifecycle_states"].values()) == {"COMPLETED"}
     assert s["drill"]["ok"] and s["drill"]["results"][0]["step"] == 20
+    # both nodes' disks wiped and warm offline: step 20 back from cold, each node what its rank reads
+    w = s["way_back"]
+    assert w["ok"] and w["step"] == 20 and w["tier"] == "cold" and w["bitwise"], w
+    assert w["steps"] == [21, 22, 23, 24] and w["bytes_fetched"] > 0
+    assert "every node's disk wiped" in r.stdout
     assert "demo OK" in r.stdout
     assert _procs_with_env(str(wd / "prefect")) == [], "the demo stopped every process it started"

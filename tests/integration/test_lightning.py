@@ -13,8 +13,10 @@ import os
 import shutil
 import subprocess
 
+import pytest
 import torch
 
+from ckptflow.trainer.errors import ConfigError
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.format.commit import committed_steps
 from tests.helpers import PY, REPO, torchrun_env
@@ -139,6 +141,20 @@ def test_a_ddp_run_killed_mid_run_resumes_from_the_last_commit_to_the_same_losse
     assert committed_steps(str(run)) == [12, 8, 4] and io.last() == str(run / layout.step_name(12) / FILE)
     assert json.dumps(back["loops"]["fit_loop"]["epoch_progress"])  # Lightning's own state, whole
 
+    # A fit over this history that resumed from nothing, or from an older step, is refused at its first save,
+    # before anything is written; one that resumed from the newest saves
+    fresh = CkptflowCheckpointIO(run_id="lit", root=str(hot))
+    with pytest.raises(ConfigError, match=r"up to step 12 .* started without resuming.*ckpt_path=io\.last\(\)"):
+        fresh.save_checkpoint(back, out / "ckpt" / "fresh.ckpt")
+    older = CkptflowCheckpointIO(run_id="lit", root=str(hot))
+    older.load_checkpoint(run / layout.step_name(8) / FILE, weights_only=True)
+    with pytest.raises(ConfigError, match="resumed from step 8"):
+        older.save_checkpoint(back, out / "ckpt" / "older.ckpt")
+    assert committed_steps(str(run)) == [12, 8, 4] and not os.path.exists(out / "ckpt" / "fresh.ckpt")
+    io.save_checkpoint({**back, "global_step": 13}, out / "ckpt" / "on.ckpt")
+    io.teardown()
+    assert committed_steps(str(run)) == [13, 12, 8, 4]
+
 
 # The README's snippet, run as printed (its save interval cut to 3 steps), as one process would: `model`,
 # `loader` and the Trainer's length come from this prelude, every other word from the README.
@@ -193,9 +209,7 @@ def test_the_readme_snippet_resumes_from_cold_when_hot_and_warm_are_gone(tmp_pat
 
     hot = tmp_path / "hot"
     cfg = write_config(tmp_path, hot, s3_endpoint, s3_bucket, hot_keep=5)
-    snippet = _readme_snippet()
-    for name, text in (("fit.py", snippet), ("fresh.py", snippet.replace("ckpt_path=io.last()", "ckpt_path=None"))):
-        (tmp_path / name).write_text(PRELUDE + text)
+    (tmp_path / "fit.py").write_text(PRELUDE + _readme_snippet())
 
     def fit(script: str, out: str, max_steps: int) -> subprocess.CompletedProcess:
         env = torchrun_env({"OUT": str(tmp_path / out), "MAX_STEPS": str(max_steps), "CKPTFLOW_CONFIG": cfg})
@@ -219,9 +233,3 @@ def test_the_readme_snippet_resumes_from_cold_when_hot_and_warm_are_gone(tmp_pat
     b = dict(line.split() for line in open(tmp_path / "back"))
     assert sorted(map(int, b)) == [6, 7, 8] and {s: a[s] for s in b} == b  # bitwise the uninterrupted run's
     assert committed_steps(str(run)) == [9, 6], "step 6 brought into hot as committed, step 9 saved anew"
-
-    # Started without resuming over that history: refused at the first save, before anything is written
-    fresh = fit("fresh.py", "fresh", 9)
-    assert fresh.returncode != 0
-    assert "second history" in fresh.stderr and "ckpt_path=io.last()" in fresh.stderr, fresh.stderr[-3000:]
-    assert committed_steps(str(run)) == [9, 6]
