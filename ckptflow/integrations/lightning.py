@@ -209,6 +209,7 @@ class CkptflowCheckpointIO(_IO):
         never a fresh start over checkpoints it could not see."""
         newest = self._newest()
         if newest is None:
+            self._history_checked = True  # no tier holds the run: its first save need not look again
             return None
         return os.path.join(self.root, self.run_id, layout.step_name(newest[0]), FILE)
 
