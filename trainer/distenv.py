@@ -11,14 +11,16 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistEnv", "exit_process", "gather", "init_distributed", "shutdown"]
+__all__ = ["DistEnv", "exit_process", "gather", "init_distributed", "on_ranks", "shutdown"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +81,41 @@ def gather(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+T = TypeVar("T")
+
+
+def on_ranks(
+    work: Callable[[], T], *, here: bool, group: dist.ProcessGroup | None, round_s: float, name: str
+) -> list[tuple[T | None, str] | None]:
+    """``work()`` on every rank where ``here`` (agreed per rank), in a thread, while every rank meets in agreed
+    rounds at most ``round_s`` apart (no one collective outlasts the group's timeout however long the work
+    takes). Every rank gets each rank's outcome, in rank order: (its result, "") or (None, why it failed); None
+    where nothing ran. Without a process group (one process) it is ``work()`` here."""
+    from ckptflow.trainer.errors import CkptflowError
+
+    box: list[tuple[T | None, str]] = []
+
+    def run() -> None:
+        try:
+            box.append((work(), ""))
+        except CkptflowError as e:
+            box.append((None, str(e)))
+        except BaseException as e:  # noqa: BLE001 - any failure must reach the other ranks, not hang them
+            box.append((None, f"{type(e).__name__}: {e}"))
+
+    t = threading.Thread(target=run, name=f"ckptflow-{name}", daemon=True) if here else None
+    if t is not None:
+        t.start()
+    many = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    while True:
+        if t is not None:
+            t.join(timeout=round_s)
+        mine = (box[0] if box else None, here)
+        every = gather(mine, group) if many else [mine]
+        if all(outcome is not None for outcome, ran in every if ran):
+            return [outcome if ran else None for outcome, ran in every]
 
 
 def shutdown(env: DistEnv | None = None) -> None:

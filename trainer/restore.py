@@ -14,16 +14,16 @@ than the tiers may hold.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar, cast
 
 from ckptflow.trainer.config import Provenance
-from ckptflow.trainer.distenv import DistEnv, gather
-from ckptflow.trainer.errors import CheckpointNotFoundError, CkptflowError, ConfigError, IntegrityError, LoadError
+from ckptflow.trainer.distenv import DistEnv, gather, on_ranks
+from ckptflow.trainer.errors import CheckpointNotFoundError, ConfigError, IntegrityError, LoadError
 from ckptflow.trainer.format import commit, layout
 from ckptflow.trainer.format.atomicity import RENAME
 from ckptflow.trainer.format.manifest import Manifest, read_manifest
@@ -229,29 +229,8 @@ def _on_rank0(env: DistEnv, work: Callable[[], T], name: str) -> tuple[T | None,
 
 
 def _on_each(env: DistEnv, work: Callable[[], T], name: str, *, here: bool) -> list[tuple[T | None, str] | None]:
-    """``work()`` on every rank where ``here`` (agreed per rank), in a thread, while every rank meets in short
-    agreed rounds (no one collective outlasts the group's timeout however long it takes). Every rank gets each
-    rank's outcome, in rank order: (its result, "") or (None, why it failed); None where nothing ran."""
-    box: list[tuple[T | None, str]] = []
-
-    def run() -> None:
-        try:
-            box.append((work(), ""))
-        except CkptflowError as e:
-            box.append((None, str(e)))
-        except BaseException as e:  # noqa: BLE001 - any failure must reach the other ranks, not hang them
-            box.append((None, f"{type(e).__name__}: {e}"))
-
-    t = threading.Thread(target=run, name=f"ckptflow-{name}", daemon=True) if here else None
-    if t is not None:
-        t.start()
-    while True:
-        if t is not None:
-            t.join(timeout=min(10.0, env.ckpt_timeout_s / 4))
-        mine = (box[0] if box else None, here)
-        every = gather(mine, env.ckpt_group) if env.world_size > 1 else [mine]
-        if all(outcome is not None for outcome, ran in every if ran):
-            return [outcome if ran else None for outcome, ran in every]
+    """``distenv.on_ranks`` on the checkpoint group, in rounds of at most a quarter of its timeout."""
+    return on_ranks(work, here=here, group=env.ckpt_group, round_s=min(10.0, env.ckpt_timeout_s / 4), name=name)
 
 
 def _bring(r: Resume, step: int, damaged_here: set[int]) -> Brought:
@@ -326,20 +305,32 @@ def _resume_nodes(r: Resume, state: TrainState, load: Callable[[str, Manifest], 
             log.warning("resume: skipping %s: %s", step, why)
     brought: Brought | None = None
     parts: list[tuple[str, Brought]] = []
+    if rep.step is not None and rep.manifest is not None and (rep.skipped or rep.latest_was != rep.step):
+        # as on one root: the nodes' newest is gone or damaged (agreed facts), so the tiers may hold a newer step
+        newer = {s for s in _tier_steps(r) if s > rep.step}
+        if newer:
+            try:
+                found = _bring_to_nodes(r, newer, needs)
+            except CheckpointNotFoundError as e:  # raised on every rank alike: go on from the nodes' step
+                log.warning("resume: %s; going on from step %d on the nodes", e, rep.step)
+            else:
+                rep.step, rep.manifest, parts = found
+                rep.path = os.path.join(r.run_path, layout.step_name(rep.step))
     if rep.step is None or rep.manifest is None:
         held = _tier_steps(r)
         if held:  # never start over while the tiers hold the run: each node brings back what its ranks read
             rep.step, rep.manifest, parts = _bring_to_nodes(r, held, needs)
-            b = parts[0][1]
-            brought = Brought(
-                b.step,
-                b.tier,
-                b.uri,
-                sum(p.files for _, p in parts),
-                sum(p.bytes_fetched for _, p in parts),
-                max(p.seconds for _, p in parts),
-            )
             rep.path = os.path.join(r.run_path, layout.step_name(rep.step))
+    if parts:
+        b = parts[0][1]
+        brought = Brought(
+            b.step,
+            b.tier,
+            b.uri,
+            sum(p.files for _, p in parts),
+            sum(p.bytes_fetched for _, p in parts),
+            max(p.seconds for _, p in parts),
+        )
     if rep.step is None or rep.manifest is None:
         if r.required or rep.skipped:
             raise not_recoverable_error(r.run_path, rep.skipped)
@@ -398,6 +389,7 @@ def _bring_to_nodes(
     recall, run_id = r.recall, os.path.basename(r.run_path)
     tried: list[str] = []
     for step in sorted(held, reverse=True):
+        mine_ok = False
         stage = RENAME.staging_url(r.run_path, step)
         step_dir = os.path.join(r.run_path, layout.step_name(step))
 
@@ -411,13 +403,19 @@ def _bring_to_nodes(
         if not failed:
             try:  # every rank answers, failed or not: one that raised alone would leave the others in gather
                 manifest = read_manifest(stage)
-                answer: tuple[bool, object] = (True, sorted(needs(stage, manifest)))
+                with open(os.path.join(stage, layout.MANIFEST), "rb") as f:
+                    which = hashlib.sha256(f.read()).hexdigest()
+                answer: tuple[bool, object] = (True, (which, sorted(needs(stage, manifest))))
             except Exception as e:  # noqa: BLE001 - shared below
                 answer = (False, f"rank {env.rank}: {type(e).__name__}: {e}")
             answers = gather(answer, env.ckpt_group) if env.world_size > 1 else [answer]
             failed = [str(why) for ok, why in answers if not ok]
+            if not failed and len({cast(tuple, why)[0] for _, why in answers}) > 1:
+                # each node fetched from the first tier whose copy verified: two tiers holding different
+                # checkpoints under one step would have the nodes load different histories
+                failed = [f"the nodes brought different manifests of step {step} (the tiers disagree)"]
         if not failed:
-            reads = [cast(list[str], why) for _, why in answers]
+            reads = [cast(tuple, why)[1] for _, why in answers]
             mine = {f for rank in topo.domains[topo.domain] for f in reads[rank]} | {layout.DCP_METADATA}
 
             def part(step: int = step, stage: str = stage, step_dir: str = step_dir, mine: set[str] = mine) -> Brought:
@@ -426,6 +424,7 @@ def _bring_to_nodes(
 
             outcomes = _on_each(env, part, f"bring-{step}", here=topo.is_leader)
             failed = _failures(outcomes, topo)
+            mine_ok = outcomes[env.rank] is not None and cast(tuple, outcomes[env.rank])[0] is not None
             if not failed:
                 each = [(topo.node_ids[i], outcomes[d[0]]) for i, d in enumerate(topo.domains)]
                 parts = [(node, o[0]) for node, o in each if o is not None and o[0] is not None]
@@ -433,13 +432,16 @@ def _bring_to_nodes(
         tried += [f"step {step}: {why}" for why in failed]
         log.warning("resume: step %d cannot be brought back from %s: %s", step, recall.describe(), failed[0])
         if topo.is_leader:
-            remove_tree(stage)
-            # a part this node did bring is of no use without the others' (the tiers keep the step)
-            if not os.path.islink(step_dir) and os.path.isdir(step_dir):
-                remove_tree(step_dir)
+            try:
+                remove_tree(stage)
+                if mine_ok:  # the part this node brought is of no use without the others' (the tiers keep it)
+                    remove_tree(step_dir)
+            except OSError as e:  # one leader alone must not leave the others in the next round
+                log.warning("resume: could not remove what step %d's bring left on this node: %s", step, e)
     raise CheckpointNotFoundError(
-        f"no node's root holds a checkpoint of {r.run_path}, and none on {recall.describe()} could be brought back: "
-        + "; ".join(tried[:4])
+        f"no node's root holds a checkpoint of {r.run_path}, and none on {recall.describe()} could be brought back "
+        f"({'; '.join(tried[:6])}). Check the tiers with 'ckptflow verify' on those steps and the nodes' free space "
+        f"and permissions under {r.run_path}; to start the run over instead, use a new run id"
     )
 
 

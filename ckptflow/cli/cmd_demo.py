@@ -123,6 +123,11 @@ def demo(
             f"job's whole run {w.seconds:.1f} s); steps "
             f"{w.steps[0]}-{w.steps[-1]} {'[green]bitwise equal[/]' if w.bitwise else '[red]differ from[/]'} "
             "to the run before"
+            + (
+                " (per node: " + ", ".join(f"{f} files {b / 1e6:.2f} MB" for f, b in w.node_parts.values()) + ")"
+                if w.node_parts
+                else ""
+            )
         )
     for p in out.problems:
         con.print(f"[red]problem:[/] {p}")

@@ -30,8 +30,8 @@ _BROUGHT = re.compile(
 )
 
 Job = Callable[[int, list[str], dict, str], tuple[int, str]]
-"""Runs the demo's training job to a step with extra flags, an environment and a log name; returns its exit
-code and its output."""
+"""Runs the demo's training job to a step with extra flags, an environment and a log name (under the demo's
+logs); returns its exit code and its output."""
 
 
 @dataclass
@@ -45,6 +45,8 @@ class WayBack:
     steps: list[int] | None = None
     bitwise: bool = False
     problem: str = ""
+    node_parts: dict[str, list[int]] | None = None
+    """On node-local roots: per node, [files, bytes] it brought back (what its ranks read)."""
 
 
 def torchrun_job(root: str, run_id: str, model: str, log_dir: str) -> Job:
@@ -91,7 +93,7 @@ def way_back(
     quiet = {k: v for k, v in env.items() if k not in ("PREFECT_API_URL", "CKPTFLOW_CONFIG")}
     rc, _ = job(last + more, ["--tiers", "none"], quiet, "way-back-reference.log")
     if rc != 0:
-        return WayBack(False, problem="the reference continuation failed; log: way-back-reference.log")
+        return WayBack(False, problem="the reference continuation failed; see way-back-reference in the logs")
     rows = _rows(runs)
     want = {s: (rows[s]["loss"], rows[s]["lr"]) for s in range(last + 1, last + more + 1) if s in rows}
     # Warm is taken offline (moved out of the tier, and back after: its exports are the demo's output)
@@ -100,12 +102,13 @@ def way_back(
         os.rename(os.path.join(warm, run_id), offline)
     except OSError as e:
         return WayBack(False, problem=f"could not take warm offline ({e}); hot left as it was")
-    for folder in wipe:
-        shutil.rmtree(folder)
-        os.makedirs(folder)
-    say(f"the way back: {', '.join(wipe)} wiped and warm offline; the same job started again ...")
     t0 = time.monotonic()
     try:
+        for folder in wipe:
+            shutil.rmtree(folder)
+            os.makedirs(folder)
+        say(f"the way back: {', '.join(wipe)} wiped and warm offline; the same job started again ...")
+        t0 = time.monotonic()
         # The config as the CLI reads it ($CKPTFLOW_CONFIG); no events: the demo's lifecycles are over
         rc, text = job(last + more, [], {k: v for k, v in env.items() if k != "PREFECT_API_URL"}, "way-back.log")
     finally:
@@ -116,9 +119,13 @@ def way_back(
     took = time.monotonic() - t0
     found = _BROUGHT.search(text)
     if rc != 0 or found is None:
-        return WayBack(False, problem=f"the job did not come back from the tiers (exit {rc}); log: way-back.log")
+        return WayBack(False, problem=f"the job did not come back from the tiers (exit {rc}); see way-back in the logs")
     got = {s: (r["loss"], r["lr"]) for s, r in _rows(runs).items()}
     out = WayBack(True, int(found[1]), found[2], int(found[5]), took, sorted(got), got == want)
+    line = text[found.start() : text.find("\n", found.start())]
+    parts = re.findall(r"node (\S+) (\d+) files, (\d+) bytes", line)
+    if parts:
+        out.node_parts = {n: [int(f), int(b)] for n, f, b in parts}
     if not out.bitwise:
         out.ok, out.problem = False, f"steps after the way back differ from the run before: {got} vs {want}"
     return out

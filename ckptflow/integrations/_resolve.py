@@ -3,12 +3,14 @@ place, else the same step fetched from warm or cold, else the step before."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import logging
 import os
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from ckptflow.tasks.adopt import is_adopted, parse_check
 from ckptflow.tasks.config import load_config
@@ -37,13 +39,15 @@ def newest_verified(
     *,
     fetch_to: Callable[[int], str] | None = None,
     at_most: int | None = None,
+    passed_over: set[int] | None = None,
 ) -> str | None:
     """The folder of the newest step (``<= at_most``) whose copy verifies: the hot copy in place
     (every digest, then the pickle-free parse of an adopted one), else the step restored from the
     other tiers. ``fetch_to(step)``: a folder of the caller's to restore into (one kept from an earlier
     call is checked and reused); without it the step is brought into the hot root itself, committed
     there under the manifest the tiers hold, after a damaged hot copy is set aside (damaged means no
-    longer committed, so a later save of that step commits). None when the run has no committed step;
+    longer committed, so a later save of that step commits). ``passed_over`` (when given) gains each newer step
+    that had no good copy anywhere. None when the run has no committed step;
     CheckpointNotFoundError naming every copy tried when steps exist and none verifies."""
     layout.check_run_id(run_id)
     hot, rest = tiers[0], tiers[1:]
@@ -65,20 +69,42 @@ def newest_verified(
         if fetch_to is None:
             dst = _cleared_on_hot(hot, run_id, step, problem)
             if dst is None:
+                if passed_over is not None:
+                    passed_over.add(step)
                 continue
         else:
             dst = fetch_to(step)
-            if os.path.isdir(dst) and local_problem(dst) is None:
-                return _said(run_id, step, "an earlier fetch", dst)
-            shutil.rmtree(dst, ignore_errors=True)
-        try:
-            got = restore(rest, run_id, dst, step=step, holder="ckptflow resume")
-            return _said(run_id, step, f"the {got.tier} tier ({got.uri})", got.dst_dir)
-        except CheckpointNotFoundError as e:
+        # every process of a job asks (a Trainer's ranks each call latest_verified): one fetches, the others
+        # wait for it and reuse its folder
+        with _one_at_a_time(dst) if fetch_to is not None else contextlib.nullcontext():
             if fetch_to is not None:
+                if os.path.isdir(dst) and local_problem(dst) is None:
+                    return _said(run_id, step, "an earlier fetch", dst)
                 shutil.rmtree(dst, ignore_errors=True)
-            tried.append(str(e))
+            try:
+                got = restore(rest, run_id, dst, step=step, holder="ckptflow resume")
+                return _said(run_id, step, f"the {got.tier} tier ({got.uri})", got.dst_dir)
+            except CheckpointNotFoundError as e:
+                if fetch_to is not None:
+                    shutil.rmtree(dst, ignore_errors=True)
+                tried.append(str(e))
+                if passed_over is not None:
+                    passed_over.add(step)
     raise CheckpointNotFoundError(f"run {run_id}: no checkpoint verifies — {'; '.join(tried)}")
+
+
+@contextlib.contextmanager
+def _one_at_a_time(dst: str) -> Iterator[None]:
+    """An exclusive lock on ``.<name of dst>.lock`` beside it (``flock``: released by the kernel when the holder
+    dies; the file stays, as removing it would let a newcomer lock another inode)."""
+    parent, name = os.path.split(os.path.abspath(dst))
+    os.makedirs(parent, exist_ok=True)
+    fd = os.open(os.path.join(parent, f".{name}.lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _cleared_on_hot(hot: Tier, run_id: str, step: int, problem: str) -> str | None:

@@ -26,17 +26,21 @@ new ``lightning_logs/version_N`` on every start (and is gone with the disk), so 
 trains from scratch. ``last()`` lists the run on the hot root, and on warm and cold when hot has no
 ``latest`` (a replaced disk, a moved job); it returns None only when no tier holds a step, and raises
 when a tier that may hold one cannot be reached. The load (of that path, of a ``last.ckpt``, of any
-path this plugin wrote) runs on rank 0 of the group, the others waiting for its answer: the newest
+path this plugin wrote) runs on rank 0 of the group, the others meeting it in 10 s rounds however long
+a fetch from cold takes, and every rank loads what it found: the newest
 committed step (not after the one named; a ``last*.ckpt`` names the newest, so a link that trails its
 commit never loses a save) whose every byte matches its digest and whose file parses without running
 a pickle. A damaged hot copy is set aside and the step brought back from warm or cold into the hot
 root, committed under the manifest the tiers hold; with no good copy the step before is tried. A path
 ckptflow did not write is loaded as Lightning would. The hot root must be one every rank reads (a
-shared file system), as Lightning's own checkpoint path must.
+shared file system), as Lightning's own checkpoint path must: every rank calls ``last()`` before the
+process group exists, and they must see the same run.
 
-A fit that resumed from nothing, or from a step older than the run's newest, would save steps under
-names the run already holds: two histories under one run id. Its first save is refused, naming the
-steps and the fix, before anything is written.
+A fit that resumed from nothing, or from a step older than the run's newest (steps the load found no
+good copy of anywhere do not count), would save steps under names the run already holds: two
+histories under one run id. Its first save is refused on rank 0, naming the steps and the fix,
+before anything is written (the launcher then stops the other ranks). A save of a step the verify
+stage quarantined sets that copy aside first.
 
 At an epoch's last batch a stateful loader's state says "every sample yielded"; restored, the
 next epoch's iterator yields nothing and Lightning skips that epoch (stock Lightning does too). Such a
@@ -139,6 +143,8 @@ class CkptflowCheckpointIO(_IO):
         self.tiers_wait_s = tiers_wait_s
         self._resumed_from: int | None = None
         self._history_checked = False
+        self._hot_only_check = False
+        self._passed_over: set[int] = set()
         self._snapshot = _Snapshot()
         self._pool: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
@@ -168,6 +174,10 @@ class CkptflowCheckpointIO(_IO):
     def _write(self, step: int, snap: dict[str, Any], path: str) -> None:
         def write(tmp: str) -> None:
             torch.save(snap, os.path.join(tmp, FILE))
+
+        run_path = os.path.join(self.root, self.run_id)
+        if commit.is_quarantined(run_path, step):  # found bad by the verify stage: this save replaces it
+            commit.set_aside(run_path, step, ["quarantined by the verify stage; saved again"], found_by="lightning")
 
         commit_written(
             run_id=self.run_id,
@@ -209,17 +219,21 @@ class CkptflowCheckpointIO(_IO):
         never a fresh start over checkpoints it could not see."""
         newest = self._newest()
         if newest is None:
-            self._history_checked = True  # no tier holds the run: its first save need not look again
+            self._hot_only_check = True  # no tier holds the run: its first save looks at hot alone
             return None
         return os.path.join(self.root, self.run_id, layout.step_name(newest[0]), FILE)
 
-    def _newest(self) -> tuple[int, str] | None:
-        """The run's newest committed step that is not quarantined, and where: hot when its ``latest`` names a
-        committed step, else the newest of hot's and the tiers'."""
+    def _newest(self, *, hot_only: bool = False, passed_over: frozenset[int] = frozenset()) -> tuple[int, str] | None:
+        """The run's newest committed step that is not quarantined (nor in ``passed_over``), and where: hot when
+        its ``latest`` names a committed step (or ``hot_only``), else the newest of hot's and the tiers'."""
         run_path = os.path.join(self.root, self.run_id)
-        hot = [s for s in commit.committed_steps(run_path) if not commit.is_quarantined(run_path, s)]
-        if hot and commit.read_latest(run_path) in hot:
-            return max(hot), f"hot ({run_path})"
+        hot = [
+            s
+            for s in commit.committed_steps(run_path)
+            if s not in passed_over and not commit.is_quarantined(run_path, s)
+        ]
+        if (hot and commit.read_latest(run_path) in hot) or hot_only:
+            return (max(hot), f"hot ({run_path})") if hot else None
         from ckptflow.tasks.recall import TierRecall
 
         recall = TierRecall(run_tiers(self.config, self.root)[1:])
@@ -230,6 +244,7 @@ class CkptflowCheckpointIO(_IO):
                 f"run {self.run_id}: {e}. Not resuming: the tiers may hold its newest checkpoint. Make the tier "
                 "reachable, or pass fit(ckpt_path=...) a checkpoint yourself"
             ) from e
+        held -= passed_over
         if not hot and not held:
             return None
         if held and max(held) > max(hot, default=-1):
@@ -238,8 +253,9 @@ class CkptflowCheckpointIO(_IO):
 
     def _refuse_second_history(self, step: int) -> None:
         """Before the first save of this fit: a run that holds a step newer than the one this fit resumed from
-        (or any step, when it resumed from none) would get a second history under its id."""
-        newest = self._newest()
+        (or any step, when it resumed from none) would get a second history under its id. The steps the resume
+        found no good copy of anywhere are not counted: going on from the one before them is the fallback."""
+        newest = self._newest(hot_only=self._hot_only_check, passed_over=frozenset(self._passed_over))
         if newest is None or (self._resumed_from is not None and newest[0] <= self._resumed_from):
             return
         began = "started without resuming" if self._resumed_from is None else f"resumed from step {self._resumed_from}"
@@ -261,7 +277,7 @@ class CkptflowCheckpointIO(_IO):
             log.warning("%s was not written by ckptflow for run %s: loaded as Lightning would", path, self.run_id)
             return TorchCheckpointIO().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         at_most = None if _LAST_NAME.match(os.path.basename(path)) else step
-        folder = _on_rank0(lambda: self._resolve(at_most))
+        folder = _on_rank0(lambda: self._resolve(at_most), f"run {self.run_id}")
         found = layout.parse_step(os.path.basename(folder))
         if found != step and at_most is not None:
             log.warning("%s (step %d) does not verify; resuming from %s instead", path, step, folder)
@@ -271,7 +287,9 @@ class CkptflowCheckpointIO(_IO):
         )
 
     def _resolve(self, at_most: int | None) -> str:
-        folder = newest_verified(run_tiers(self.config, self.root), self.run_id, at_most=at_most)
+        folder = newest_verified(
+            run_tiers(self.config, self.root), self.run_id, at_most=at_most, passed_over=self._passed_over
+        )
         if folder is None:
             raise CheckpointNotFoundError(
                 f"run {self.run_id} has no committed step{'' if at_most is None else f' <= {at_most}'} on any tier"
@@ -299,6 +317,8 @@ class CkptflowCheckpointIO(_IO):
                 continue
             if st is not None and (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
                 return s
+        if _LAST_NAME.match(os.path.basename(path)) and steps:
+            return steps[0]  # Lightning's newest name, copied across file systems or left by a set-aside step
         named = step_from_name(path)
         return named if named is not None and (named in steps or st is None) else None
 
@@ -331,32 +351,32 @@ class CkptflowCheckpointIO(_IO):
             raise e
 
     def teardown(self) -> None:
-        """Every save finished and committed (Lightning calls it when fitting ends)."""
+        """Every save finished and committed (Lightning calls it when fitting ends); the next fit with this
+        object resumes, and is checked, afresh."""
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
+        self._resumed_from, self._saved_step, self._passed_over = None, None, set()
+        self._history_checked = self._hot_only_check = False
         self._raise()
 
 
-def _on_rank0(fn: Callable[[], str]) -> str:
-    """``fn()`` on rank 0 of Lightning's group and its answer (or its error) on every rank: one copy is
-    checked and brought, and every rank loads the same step. The broadcast has the group's timeout."""
+def _on_rank0(fn: Callable[[], str], what: str) -> str:
+    """``fn()`` on rank 0 of Lightning's group and its answer (or its error) on every rank: one copy is checked
+    and brought, and every rank loads the same step. The others wait in rounds of 10 s (``distenv.on_ranks``),
+    so a long fetch from cold never outlasts the group's timeout."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return fn()
-    box: list[Any] = [None]
-    if dist.get_rank() == 0:
-        try:
-            box[0] = ("ok", fn())
-        except Exception as e:  # noqa: BLE001 - every rank raises it, not rank 0 alone
-            box[0] = ("error", f"{type(e).__name__}: {e}")
-    dist.broadcast_object_list(box, src=0)
-    kind, value = box[0]
-    if kind != "ok":
-        raise CheckpointNotFoundError(f"rank 0 could not resolve the checkpoint to resume from: {value}")
-    return value
+    from ckptflow.trainer.distenv import on_ranks
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    outcome = on_ranks(fn, here=rank == 0, group=None, round_s=10.0, name="lightning-resume")[0]
+    assert outcome is not None
+    folder, why = outcome
+    if folder is None:
+        raise CheckpointNotFoundError(f"{what}: rank 0 could not find a checkpoint to resume from: {why}")
+    return folder
 
 
 def _next_epoch_starts_afresh(checkpoint: dict[str, Any]) -> dict[str, Any]:

@@ -72,7 +72,8 @@ def fetch(
     """Download and decode ``run_id``/``step`` from ``tier`` into ``dst_dir`` (absent or empty).
 
     ``only``: fetch these members alone (with the manifest, which lists them all): a node that brings back
-    what its ranks read, not the whole checkpoint. ConfigError when one is not in the checkpoint.
+    what its ranks read, not the whole checkpoint (``progress`` then adds up to their bytes). A member the
+    stored copy lacks is IntegrityError, like a missing object: the caller tries another copy.
 
     Raises CheckpointNotFoundError if the step is not committed there, IntegrityError
     naming the object when any byte differs from the index or the manifest. ``progress``
@@ -85,7 +86,11 @@ def fetch(
     if only is not None:
         unknown = only - set(ckpt.index.files)
         if unknown:
-            raise ConfigError(f"{ckpt.uri} holds no {sorted(unknown)[:3]}; cannot fetch them")
+            raise IntegrityError(
+                f"{ckpt.uri}: holds no {sorted(unknown)[:3]}, which the load plan reads; restore from another tier or "
+                "an older checkpoint",
+                path=ckpt.uri,
+            )
         items = [(n, f) for n, f in items if n in only]
     dst_dir = os.path.abspath(dst_dir)
     check_destination(dst_dir)

@@ -36,6 +36,8 @@ def test_node_demo_takes_every_checkpoint_through_the_node_workers_to_cold(tmp_p
     w = s["way_back"]
     assert w["ok"] and w["step"] == 20 and w["tier"] == "cold" and w["bitwise"], w
     assert w["steps"] == [21, 22, 23, 24] and w["bytes_fetched"] > 0
+    files = sorted(f for f, _ in w["node_parts"].values())  # .metadata and the shards its rank reads
+    assert len(files) == 2 and files[0] < files[1] and sum(b for _, b in w["node_parts"].values()) == w["bytes_fetched"]
     assert "every node's disk wiped" in r.stdout
     assert "demo OK" in r.stdout
     assert _procs_with_env(str(wd / "prefect")) == [], "the demo stopped every process it started"

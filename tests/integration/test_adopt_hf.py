@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.format.commit import committed_steps
@@ -103,7 +104,8 @@ def test_the_callback_adopts_each_checkpoint_and_a_lost_machine_resumes_from_col
     resumed = _train(out, 6, resume="latest", env={"CKPTFLOW_CONFIG": cfg})
     assert resumed["step"] == 6
     assert "ckptflow: hf resumes from step 4, from the cold tier (s3://" in resumed["stderr"], resumed["stderr"]
-    assert sorted(os.listdir(out)) == ["checkpoint-6", "ckptflow-restored-step-4"], "it trained steps 5-6 only"
+    kept = sorted(n for n in os.listdir(out) if not n.startswith("."))
+    assert kept == ["checkpoint-6", "ckptflow-restored-step-4"], "it trained steps 5-6 only"
     assert [resumed["losses"][s] for s in ("5", "6")] == [full["losses"][s] for s in ("5", "6")], (resumed, full)
     v = subprocess.run(
         [PY, "-m", "ckptflow.cli.main", "verify", str(out / "ckptflow-restored-step-4")],
@@ -112,6 +114,12 @@ def test_the_callback_adopts_each_checkpoint_and_a_lost_machine_resumes_from_col
         text=True,
     )
     assert v.returncode == 0, v.stdout + v.stderr
+
+    # Every process of a job asks at once (each rank calls latest_verified): one fetches, the others reuse it
+    shutil.rmtree(out / "ckptflow-restored-step-4")
+    with ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(lambda _: latest_verified(str(out), run_id="hf", config=cfg), range(2)))
+    assert got == [str(out / "ckptflow-restored-step-4")] * 2
 
 
 def _partial_and_damaged_are_caught(src, tmp_path) -> None:
