@@ -305,17 +305,6 @@ def _resume_nodes(r: Resume, state: TrainState, load: Callable[[str, Manifest], 
             log.warning("resume: skipping %s: %s", step, why)
     brought: Brought | None = None
     parts: list[tuple[str, Brought]] = []
-    if rep.step is not None and rep.manifest is not None and (rep.skipped or rep.latest_was != rep.step):
-        # as on one root: the nodes' newest is gone or damaged (agreed facts), so the tiers may hold a newer step
-        newer = {s for s in _tier_steps(r) if s > rep.step}
-        if newer:
-            try:
-                found = _bring_to_nodes(r, newer, needs)
-            except CheckpointNotFoundError as e:  # raised on every rank alike: go on from the nodes' step
-                log.warning("resume: %s; going on from step %d on the nodes", e, rep.step)
-            else:
-                rep.step, rep.manifest, parts = found
-                rep.path = os.path.join(r.run_path, layout.step_name(rep.step))
     if rep.step is None or rep.manifest is None:
         held = _tier_steps(r)
         if held:  # never start over while the tiers hold the run: each node brings back what its ranks read

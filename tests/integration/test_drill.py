@@ -118,16 +118,12 @@ def _flip(s3, bucket, key):
     s3.put_object(Bucket=bucket, Key=key, Body=bytes(body))
 
 
-def _truncate(s3, bucket, key):
-    body = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
-    s3.put_object(Bucket=bucket, Key=key, Body=body[: len(body) // 2])
-
-
 def _delete(s3, bucket, key):
     s3.delete_object(Bucket=bucket, Key=key)
 
 
-@pytest.mark.parametrize("damage", [_flip, _truncate, _delete], ids=["corrupted", "truncated", "missing"])
+# A truncated object fails the same size-and-digest check as a corrupted one (test_corruption.py truncates)
+@pytest.mark.parametrize("damage", [_flip, _delete], ids=["corrupted", "missing"])
 def test_drill_on_a_damaged_object_fails_names_it_alerts_once_and_changes_nothing(
     prefect_api, receiver, cold_run, s3_endpoint, s3_bucket, tmp_path, damage
 ):
