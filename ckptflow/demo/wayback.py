@@ -102,7 +102,6 @@ def way_back(
         os.rename(os.path.join(warm, run_id), offline)
     except OSError as e:
         return WayBack(False, problem=f"could not take warm offline ({e}); hot left as it was")
-    t0 = time.monotonic()
     try:
         for folder in wipe:
             shutil.rmtree(folder)

@@ -114,8 +114,8 @@ def fetch(
         step=step,
         dst_dir=dst_dir,
         files=len(items),
-        bytes_raw=sum(f.size for _, f in items) if only is not None else ckpt.index.total_raw_bytes,
-        bytes_stored=sum(f.stored_size for _, f in items) if only is not None else ckpt.index.total_stored_bytes,
+        bytes_raw=sum(f.size for _, f in items),
+        bytes_stored=sum(f.stored_size for _, f in items),
         codec=ckpt.index.codec,
     )
     workers = max(1, min(threads or 4, len(items)))
