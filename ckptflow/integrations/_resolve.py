@@ -16,7 +16,7 @@ from ckptflow.tasks.adopt import is_adopted, parse_check
 from ckptflow.tasks.config import load_config
 from ckptflow.tasks.storage import Tier, open_tiers
 from ckptflow.tasks.transfer import restore
-from ckptflow.trainer.errors import CheckpointNotFoundError
+from ckptflow.trainer.errors import CheckpointNotFoundError, ConfigError
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.format.manifest import read_manifest
 from ckptflow.trainer.verify import verify_checkpoint
@@ -99,7 +99,13 @@ def _one_at_a_time(dst: str) -> Iterator[None]:
     dies; the file stays, as removing it would let a newcomer lock another inode)."""
     parent, name = os.path.split(os.path.abspath(dst))
     os.makedirs(parent, exist_ok=True)
-    fd = os.open(os.path.join(parent, f".{name}.lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    lock = os.path.join(parent, f".{name}.lock")
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as e:  # a symlink planted there (ELOOP) is never followed
+        raise ConfigError(
+            f"{lock}: cannot open it as the lock of {dst} ({e.strerror}); remove it and start the job again"
+        ) from e
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
