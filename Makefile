@@ -53,9 +53,11 @@ TORCH_TESTS := tests/unit tests/integration/test_exact_resume.py tests/integrati
 test-torch:
 	test -x $(TORCH_VENV)/bin/python || $(PY) -m venv $(TORCH_VENV)
 	$(TORCH_VENV)/bin/pip install -q --upgrade pip
-	$(TORCH_VENV)/bin/pip install -q torch==$(TORCH)
+	# No pip cache: a CUDA build is several GB, and a cached copy beside the installed one has
+	# filled a CI machine's disk before.
+	$(TORCH_VENV)/bin/pip install -q --no-cache-dir torch==$(TORCH)
 	grep -v '^torch==' constraints.txt > $(TORCH_VENV)/constraints.txt
-	$(TORCH_VENV)/bin/pip install -q -c $(TORCH_VENV)/constraints.txt -e '.[test]'
+	$(TORCH_VENV)/bin/pip install -q --no-cache-dir -c $(TORCH_VENV)/constraints.txt -e '.[test]'
 	$(TORCH_VENV)/bin/python -c 'import torch; assert torch.__version__.split("+")[0] == "$(TORCH)", torch.__version__'
 	$(TORCH_VENV)/bin/python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider $(TORCH_TESTS)
 
