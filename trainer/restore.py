@@ -23,7 +23,7 @@ from typing import TypeVar, cast
 
 from ckptflow.trainer.config import Provenance
 from ckptflow.trainer.distenv import DistEnv, gather, on_ranks
-from ckptflow.trainer.errors import CheckpointNotFoundError, ConfigError, IntegrityError, LoadError
+from ckptflow.trainer.errors import CheckpointNotFoundError, ConfigError
 from ckptflow.trainer.format import commit, layout
 from ckptflow.trainer.format.atomicity import RENAME
 from ckptflow.trainer.format.manifest import Manifest, read_manifest
@@ -33,11 +33,17 @@ from ckptflow.trainer.nodes.topology import Topology
 from ckptflow.trainer.nodes.twolevel import not_recoverable_error, resume_point
 from ckptflow.trainer.recall import Brought, Recall, TierUnreachableError, steps_with_retries
 from ckptflow.trainer.resume import (
+    Candidate,
     ResumeReport,
+    bring_into_hot,
     check_provenance,
     find_resume_point,
+    needs_tiers,
     no_checkpoint_error,
     only_set_aside_error,
+    set_aside_or_warn,
+    settle,
+    walk,
 )
 from ckptflow.trainer.state import TrainState
 
@@ -99,57 +105,40 @@ def _mismatches(r: Resume, manifest: Manifest, path: str) -> list[str]:
 
 def _resume_shared(r: Resume, load: Callable[[str, Manifest], object]) -> LoadResult:
     env = r.env
-    skipped: list[tuple[str, str]] = []
-    damaged: list[tuple[int, str]] = []
-    after: int | None = None
-    mism: list[str] = []
-    held: set[int] = set()
-    listed = False
-    tried: set[int] = set()  # steps brought back (or tried): never fetched twice
-    brought: Brought | None = None
-    while True:
+
+    def find(after: int | None) -> ResumeReport:
         # Cheap checks here (manifest, files present with their sizes); the load verifies every byte as it
         # reads, and a mismatch fails it on every rank, so all move on to the next older one together.
-        rep = find_resume_point(
+        return find_resume_point(
             r.run_path, rank=env.rank, world=env.world_size, group=env.ckpt_group, deep=False, after=after
         )
-        skipped += [x for x in rep.skipped if x not in skipped]
-        damaged += [x for x in rep.damaged if x not in damaged]
-        if not listed and _look_beyond(r, rep):  # hot's newest is gone or damaged: the tiers may hold it
-            held, listed = _tier_steps(r), True
-        on_hot = rep.chosen.step if rep.chosen is not None else -1
-        bad = {s for s, _ in damaged}  # a tier's copy of a step whose hot copy failed its load is a candidate
-        newer = [
-            s
-            for s in held
-            if s > on_hot and s not in tried and (after is None or s < after or (s == after and s in bad))
-        ]
-        if newer:  # a tier holds a newer step than any good one here: bring it back, then look again
-            step = max(newer)
-            tried.add(step)
-            got, why = _on_rank0(env, lambda: _bring(r, step, bad), f"bring-{step}")
-            if got is None:
-                skipped.append((f"{r.recall.describe() if r.recall else ''} step {step}", why))
-            else:
-                brought = got
-                if after is not None and step >= after:  # the tiers' copy of the step whose hot load failed
-                    after = step + 1
-            continue
-        if rep.chosen is None:
-            break
-        mism = _mismatches(r, rep.chosen.manifest, rep.chosen.path)
-        try:
-            load(rep.chosen.path, rep.chosen.manifest)
-            break
-        except IntegrityError as e:  # every rank failed it (load_local agrees): the next older one, together
-            skipped.append((rep.chosen.path, str(e)))
-            if not isinstance(e, LoadError):  # bytes that differ from the manifest: damage
-                damaged.append((rep.chosen.step, str(e)))
-            after = rep.chosen.step
+
+    mism: list[str] = []
+
+    def use(c: Candidate) -> None:
+        nonlocal mism
+        mism = _mismatches(r, c.manifest, c.path)
+        load(c.path, c.manifest)
+
+    def bring(step: int, bad: set[int]) -> tuple[Brought | None, str]:
+        assert r.recall is not None
+        recall = r.recall
+        return _on_rank0(env, lambda: bring_into_hot(r.run_path, recall, step, bad), f"bring-{step}")
+
+    w = walk(
+        r.run_path,
+        find=find,
+        use=use,
+        beyond=lambda rep: _look_beyond(r, rep),
+        held=lambda: _tier_steps(r),
+        bring=bring,
+        where=r.recall.describe() if r.recall is not None else "",
+    )
+    skipped, chosen, brought = w.skipped, w.chosen, w.brought
     for path, why in skipped:
         if env.rank == 0:
             log.warning("resume: skipping %s: %s", path, why)
-    if rep.chosen is None:
+    if chosen is None:
         if r.required or skipped:
             # Checkpoints exist but none verifies: starting over silently would discard training; ask the operator
             raise no_checkpoint_error(r.run_path, skipped)
@@ -162,13 +151,8 @@ def _resume_shared(r: Resume, load: Callable[[str, Manifest], object]) -> LoadRe
     if env.rank == 0:
         # Damaged means no longer committed: what this resume passed over is set aside, so the saves that
         # replay those steps commit (not dropped as "already committed" beside a damaged copy).
-        for step, why in damaged:
-            if step > rep.chosen.step and os.path.isdir(os.path.join(r.run_path, layout.step_name(step))):
-                _set_aside(r.run_path, step, why, "resume")
-        if rep.latest_was != rep.chosen.step:
-            log.warning("resume: 'latest' named %s; repaired to step %d", rep.latest_was, rep.chosen.step)
-            commit.write_latest(r.run_path, rep.chosen.step)
-        if brought is not None and brought.step == rep.chosen.step:
+        settle(r.run_path, w)
+        if brought is not None:
             log.info(
                 "resumed from step %d brought back from the %s tier (%s): %d files, %d bytes in %.2f s",
                 brought.step,
@@ -179,27 +163,15 @@ def _resume_shared(r: Resume, load: Callable[[str, Manifest], object]) -> LoadRe
                 brought.seconds,
             )
         else:
-            log.info("resumed from %s (step %d)", rep.chosen.path, rep.chosen.step)
-    mine = brought if brought is not None and brought.step == rep.chosen.step else None
-    return LoadResult(rep.chosen.step, rep.chosen.path, skipped, mism, brought=mine)
+            log.info("resumed from %s (step %d)", chosen.path, chosen.step)
+    return LoadResult(chosen.step, chosen.path, skipped, mism, brought=brought)
 
 
 def _look_beyond(r: Resume, rep: ResumeReport) -> bool:
-    """Whether the tiers beyond hot must be listed: hot has no good checkpoint, or the one it has is not the
-    run's ``latest`` (something newer was passed over or is missing). A commit never moves ``latest`` back, so
-    a good ``latest`` on hot is the run's newest: the common resume makes no call to warm or cold. Rank 0's
-    answer, shared: ``latest`` is read by each rank. Also after an earlier resume set a step aside (it may have
-    gone on from an older one without the tiers)."""
+    """``resume.needs_tiers``, rank 0's answer shared: ``latest`` is read by each rank."""
     if r.recall is None:
         return False
-    need = (
-        rep.chosen is None
-        or bool(rep.skipped)
-        or rep.latest_was != rep.chosen.step
-        or any(  # an earlier resume set a newer step aside and went on from an older one: warm may hold it
-            (layout.parse_set_aside(n) or -1) > rep.chosen.step for n in commit.set_aside_steps(r.run_path)
-        )
-    )
+    need = needs_tiers(r.run_path, rep)
     return bool(gather(need, r.env.ckpt_group)[0]) if r.env.world_size > 1 else need
 
 
@@ -231,18 +203,6 @@ def _on_rank0(env: DistEnv, work: Callable[[], T], name: str) -> tuple[T | None,
 def _on_each(env: DistEnv, work: Callable[[], T], name: str, *, here: bool) -> list[tuple[T | None, str] | None]:
     """``distenv.on_ranks`` on the checkpoint group, in rounds of at most a quarter of its timeout."""
     return on_ranks(work, here=here, group=env.ckpt_group, round_s=min(10.0, env.ckpt_timeout_s / 4), name=name)
-
-
-def _bring(r: Resume, step: int, damaged_here: set[int]) -> Brought:
-    assert r.recall is not None
-    step_dir = os.path.join(r.run_path, layout.step_name(step))
-    if os.path.lexists(step_dir):
-        # A symlink under the step's name was never committed (the commit sets one aside too); anything else not
-        # found damaged (another key's checkpoint, a newer format) is not this resume's to replace
-        if step not in damaged_here and not os.path.islink(step_dir):
-            raise ConfigError(f"{step_dir} is there and is not damaged; not replacing it with the tiers' copy")
-        commit.set_aside(r.run_path, step, ["replaced by the copy on the tiers"], found_by="resume")
-    return r.recall.bring(os.path.basename(r.run_path), step, step_dir)
 
 
 def refuse_second_history(run_path: str, env: DistEnv, recall: Recall | None, *, wait_s: float) -> None:
@@ -277,16 +237,6 @@ def refuse_second_history(run_path: str, env: DistEnv, recall: Recall | None, *,
 
 def _shown(steps: list[int]) -> str:
     return ", ".join(map(str, steps[:4])) + (f" (+{len(steps) - 4} more)" if len(steps) > 4 else "")
-
-
-def _set_aside(run_path: str, step: int, why: str, found_by: str) -> None:
-    """Best effort, after the load: the other ranks have gone on to train, and a failure here (a folder this
-    user may not write) must not end this rank alone. A step left in place is set aside when it is saved again
-    (``commit.rename_then_latest``) or at the next resume."""
-    try:
-        commit.set_aside(run_path, step, [why], found_by=found_by)
-    except OSError as e:
-        log.warning("resume: could not set %s aside (%s); it stays where it is, not resumed from", step, e)
 
 
 def _resume_nodes(r: Resume, state: TrainState, load: Callable[[str, Manifest], object]) -> LoadResult:
@@ -333,7 +283,7 @@ def _resume_nodes(r: Resume, state: TrainState, load: Callable[[str, Manifest], 
     if topo.is_leader:  # each node sets aside its own copy of what the agreed resume passed over
         for bad, why in rep.damaged:
             if bad > rep.step:
-                _set_aside(r.run_path, bad, why, f"resume on node {topo.node_id}")
+                set_aside_or_warn(r.run_path, bad, why, f"resume on node {topo.node_id}")
     if topo.is_leader and rep.latest_was != rep.step:
         log.warning("resume: node %s's 'latest' named %s; repaired to step %d", topo.node_id, rep.latest_was, rep.step)
         commit.write_latest(r.run_path, rep.step)

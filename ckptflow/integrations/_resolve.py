@@ -1,5 +1,5 @@
-"""The newest checkpoint of a run that verifies, for a framework's resume: the hot copy checked in
-place, else the same step fetched from warm or cold, else the step before."""
+"""The newest checkpoint of a run that verifies, for a framework's resume: the manager's walk
+(``trainer/resume.walk``) in one process, on the config's tiers."""
 
 from __future__ import annotations
 
@@ -8,18 +8,25 @@ import dataclasses
 import fcntl
 import logging
 import os
-import shutil
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from ckptflow.tasks.adopt import is_adopted, parse_check
 from ckptflow.tasks.config import load_config
+from ckptflow.tasks.recall import TierRecall
 from ckptflow.tasks.storage import Tier, open_tiers
-from ckptflow.tasks.transfer import restore
-from ckptflow.trainer.errors import CheckpointNotFoundError, ConfigError
+from ckptflow.trainer.errors import CheckpointNotFoundError, ConfigError, IntegrityError
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.format.manifest import read_manifest
-from ckptflow.trainer.verify import verify_checkpoint
+from ckptflow.trainer.recall import Brought, steps_with_retries
+from ckptflow.trainer.resume import (
+    Candidate,
+    bring_into_hot,
+    find_resume_point,
+    needs_tiers,
+    settle,
+    walk,
+)
 
 log = logging.getLogger(__name__)
 
@@ -37,60 +44,61 @@ def newest_verified(
     tiers: list[Tier],
     run_id: str,
     *,
-    fetch_to: Callable[[int], str] | None = None,
     at_most: int | None = None,
     passed_over: set[int] | None = None,
+    wait_s: float = 60.0,
 ) -> str | None:
-    """The folder of the newest step (``<= at_most``) whose copy verifies: the hot copy in place
-    (every digest, then the pickle-free parse of an adopted one), else the step restored from the
-    other tiers. ``fetch_to(step)``: a folder of the caller's to restore into (one kept from an earlier
-    call is checked and reused); without it the step is brought into the hot root itself, committed
-    there under the manifest the tiers hold, after a damaged hot copy is set aside (damaged means no
-    longer committed, so a later save of that step commits). ``passed_over`` (when given) gains each newer step
-    that had no good copy anywhere. None when the run has no committed step;
-    CheckpointNotFoundError naming every copy tried when steps exist and none verifies."""
+    """The folder on the hot root of the newest step (``<= at_most``) that verifies, by the resume's one walk
+    (``trainer/resume.walk``): the hot copy checked in place (every digest, then the pickle-free parse of an
+    adopted one), else the step brought from warm or cold into the hot root, committed there under the manifest
+    the tiers hold (a damaged hot copy set aside first), else the step before. What the walk passed over as
+    damaged is set aside and ``latest`` repaired, as the manager's resume does. Processes that ask at once (a
+    Trainer's ranks each call ``latest_verified``) take turns: the first brings the step, the others find it on
+    hot. ``passed_over`` (when given) gains each newer step that had no good copy anywhere. None when the run
+    has no committed step; CheckpointNotFoundError naming every copy tried when steps exist and none verifies;
+    TierUnreachableError when hot has no good ``latest`` and a tier cannot be listed within ``wait_s``."""
     layout.check_run_id(run_id)
-    hot, rest = tiers[0], tiers[1:]
-    steps: set[int] = set()
-    tried: list[str] = []
-    for t in tiers:
+    run_path = os.path.join(tiers[0].url, run_id)
+    recall = TierRecall(tiers[1:])
+
+    def use(c: Candidate) -> None:
+        m = read_manifest(c.path)
+        if is_adopted(m):
+            parsed = parse_check(c.path, m)
+            if not parsed["ok"]:
+                raise IntegrityError("; ".join(parsed["problems"]))
+
+    def held() -> set[int]:
+        return steps_with_retries(recall, run_id, wait_s=wait_s) if recall.tiers else set()
+
+    def bring(step: int, bad: set[int]) -> tuple[Brought | None, str]:
         try:
-            steps.update(s for s in t.committed_steps(run_id) if at_most is None or s <= at_most)
-        except Exception as e:  # noqa: BLE001 - an unreachable tier must not stop the others
-            tried.append(f"{t.name} ({t.url}): cannot list it: {type(e).__name__}: {e}")
-    if not steps and not tried:
+            return bring_into_hot(run_path, recall, step, bad), ""
+        except Exception as e:  # noqa: BLE001 - as the manager's rank 0: any failure passes this step over
+            return None, f"{type(e).__name__}: {e}"
+
+    with _one_at_a_time(run_path):
+        w = walk(
+            run_path,
+            find=lambda after: find_resume_point(run_path, deep=True, after=after),
+            use=use,
+            beyond=lambda rep: bool(recall.tiers) and needs_tiers(run_path, rep),
+            held=held,
+            bring=bring,
+            where=recall.describe(),
+            after=None if at_most is None else at_most + 1,
+        )
+        settle(run_path, w, repair_latest=at_most is None)  # a step asked for by name leaves `latest` alone
+    if passed_over is not None:
+        passed_over |= w.passed_over
+    if w.chosen is None:
+        if w.skipped:
+            raise CheckpointNotFoundError(
+                f"run {run_id}: no checkpoint verifies — " + "; ".join(f"{p}: {why}" for p, why in w.skipped)
+            )
         return None
-    for step in sorted(steps, reverse=True):
-        problem = hot_problem(hot, run_id, step)
-        if problem is None:
-            return _said(run_id, step, "hot", hot.url_for(run_id, step))
-        tried.append(f"hot step {step}: {problem}")
-        log.warning("%s step %d on hot: %s; looking further", run_id, step, problem)
-        if fetch_to is None:
-            dst = _cleared_on_hot(hot, run_id, step, problem)
-            if dst is None:
-                if passed_over is not None:
-                    passed_over.add(step)
-                continue
-        else:
-            dst = fetch_to(step)
-        # every process of a job asks (a Trainer's ranks each call latest_verified): one fetches, the others
-        # wait for it and reuse its folder
-        with _one_at_a_time(dst) if fetch_to is not None else contextlib.nullcontext():
-            if fetch_to is not None:
-                if os.path.isdir(dst) and local_problem(dst) is None:
-                    return _said(run_id, step, "an earlier fetch", dst)
-                shutil.rmtree(dst, ignore_errors=True)
-            try:
-                got = restore(rest, run_id, dst, step=step, holder="ckptflow resume")
-                return _said(run_id, step, f"the {got.tier} tier ({got.uri})", got.dst_dir)
-            except CheckpointNotFoundError as e:
-                if fetch_to is not None:
-                    shutil.rmtree(dst, ignore_errors=True)
-                tried.append(str(e))
-                if passed_over is not None:
-                    passed_over.add(step)
-    raise CheckpointNotFoundError(f"run {run_id}: no checkpoint verifies — {'; '.join(tried)}")
+    b = w.brought
+    return _said(run_id, w.chosen.step, "hot" if b is None else f"the {b.tier} tier ({b.uri})", w.chosen.path)
 
 
 @contextlib.contextmanager
@@ -113,47 +121,7 @@ def _one_at_a_time(dst: str) -> Iterator[None]:
         os.close(fd)
 
 
-def _cleared_on_hot(hot: Tier, run_id: str, step: int, problem: str) -> str | None:
-    """The hot step folder the tiers' copy of ``step`` may be brought into: a damaged committed copy set aside
-    first; None when something else holds the name (a quarantined copy: the lifecycle's to judge)."""
-    from ckptflow.trainer.format import commit
-
-    run_path = os.path.join(hot.url, run_id)
-    dst = os.path.join(run_path, layout.step_name(step))
-    if os.path.lexists(dst) and not commit.is_quarantined(run_path, step):
-        commit.set_aside(run_path, step, [problem, "replaced by the copy on the tiers"], found_by="resume")
-    return None if os.path.lexists(dst) else dst
-
-
 def _said(run_id: str, step: int, where: str, folder: str) -> str:
     """One line on stderr, whatever the framework's logging: which step, from where, into which folder."""
     print(f"ckptflow: {run_id} resumes from step {step}, from {where}: {folder}", file=sys.stderr, flush=True)
     return folder
-
-
-def hot_problem(hot: Tier, run_id: str, step: int) -> str | None:
-    """Why the hot copy of ``step`` cannot be resumed from, or None."""
-    try:
-        if not hot.is_committed(run_id, step):
-            return "not on hot"
-        if hot.is_quarantined(run_id, step):
-            return "quarantined by the verify stage"
-    except OSError as e:
-        return f"{type(e).__name__}: {e}"
-    return local_problem(hot.url_for(run_id, step))
-
-
-def local_problem(folder: str) -> str | None:
-    """Why the checkpoint in ``folder`` does not verify (digests; the parse of an adopted one), or None."""
-    try:
-        res = verify_checkpoint(folder)
-        if not res.ok:
-            return "; ".join(str(p) for p in res.problems)
-        m = read_manifest(folder)
-    except Exception as e:  # noqa: BLE001 - any failure to read it is a reason to try another copy
-        return f"{type(e).__name__}: {e}"
-    if is_adopted(m):
-        parsed = parse_check(folder, m)
-        if not parsed["ok"]:
-            return "; ".join(parsed["problems"])
-    return None

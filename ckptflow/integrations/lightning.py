@@ -288,7 +288,11 @@ class CkptflowCheckpointIO(_IO):
 
     def _resolve(self, at_most: int | None) -> str:
         folder = newest_verified(
-            run_tiers(self.config, self.root), self.run_id, at_most=at_most, passed_over=self._passed_over
+            run_tiers(self.config, self.root),
+            self.run_id,
+            at_most=at_most,
+            passed_over=self._passed_over,
+            wait_s=self.tiers_wait_s,
         )
         if folder is None:
             raise CheckpointNotFoundError(

@@ -36,10 +36,6 @@ except ImportError:  # pragma: no cover - exercised only without the extra
 
 __all__ = ["CkptflowCallback", "latest_verified"]
 
-RESTORED_PREFIX = "ckptflow-restored-step-"
-"""Where :func:`latest_verified` puts a checkpoint fetched from warm or cold, in ``output_dir``: not
-``checkpoint-*``, so the ``Trainer``'s rotation never counts or deletes it."""
-
 
 class CkptflowCallback(_Base):
     """Adopts each ``checkpoint-N`` the ``Trainer`` saves as ``run_id`` step N.
@@ -88,11 +84,13 @@ def latest_verified(
     resume_from_checkpoint=...)`` reads; None when the run has no committed checkpoint anywhere
     (a first start).
 
-    Newest step first; for one step the hot copy is checked in place (every file's digest, then
-    the pickle-free parse of each file) and returned as it is, and when it is gone, damaged or
-    quarantined the step is fetched from warm or cold — every byte checked — into
-    ``output_dir/ckptflow-restored-step-N``. A step with no good copy anywhere is passed over for
-    the one before it. Raises CheckpointNotFoundError, naming every copy tried and why it failed,
-    when checkpoints exist and none verifies: starting from scratch is never silent."""
-    tiers = run_tiers(config, root)
-    return newest_verified(tiers, run_id, fetch_to=lambda step: os.path.join(output_dir, f"{RESTORED_PREFIX}{step}"))
+    The manager's walk: newest step first; for one step the hot copy is checked in place (every
+    file's digest, then the pickle-free parse of each file), and when it is gone, damaged or
+    quarantined the step is brought from warm or cold into the hot root, every byte checked,
+    committed there under the tiers' manifest (the lifecycle sees the checkpoint it already
+    carried). A step with no good copy anywhere is passed over for the one before it. Raises
+    CheckpointNotFoundError, naming every copy tried and why it failed, when checkpoints exist and
+    none verifies, and TierUnreachableError when a tier that may hold the newest cannot be listed:
+    starting from scratch is never silent. ``output_dir`` (the ``Trainer``'s) is not written: the
+    folder returned is on the hot root, where the ``Trainer`` reads it in place."""
+    return newest_verified(run_tiers(config, root), run_id)

@@ -74,6 +74,7 @@ def test_the_callback_adopts_each_checkpoint_and_a_lost_machine_resumes_from_col
     assert os.listdir(out) == ["checkpoint-6"]  # save_total_limit=1 trims the Trainer's folder, not ckptflow's
     step4 = run / layout.step_name(4)
     m = read_manifest(str(step4))
+    m_bytes = (step4 / layout.MANIFEST).read_bytes()
     assert m.extra["adopted"]["format"] == "hf_trainer"
     assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"} <= set(m.files)
     res = parse_check(str(step4), m)
@@ -104,22 +105,23 @@ def test_the_callback_adopts_each_checkpoint_and_a_lost_machine_resumes_from_col
     resumed = _train(out, 6, resume="latest", env={"CKPTFLOW_CONFIG": cfg})
     assert resumed["step"] == 6
     assert "ckptflow: hf resumes from step 4, from the cold tier (s3://" in resumed["stderr"], resumed["stderr"]
-    kept = sorted(n for n in os.listdir(out) if not n.startswith("."))
-    assert kept == ["checkpoint-6", "ckptflow-restored-step-4"], "it trained steps 5-6 only"
+    assert os.listdir(out) == ["checkpoint-6"], "it trained steps 5-6 only; nothing else is written there"
     assert [resumed["losses"][s] for s in ("5", "6")] == [full["losses"][s] for s in ("5", "6")], (resumed, full)
-    v = subprocess.run(
-        [PY, "-m", "ckptflow.cli.main", "verify", str(out / "ckptflow-restored-step-4")],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    )
+    # brought back into the hot root under the tiers' manifest: the lifecycle sees the checkpoint it carried
+    assert committed_steps(str(run)) == [4]
+    assert (run / layout.step_name(4) / layout.MANIFEST).read_bytes() == m_bytes
+    verify = [PY, "-m", "ckptflow.cli.main", "verify", str(run / layout.step_name(4))]
+    v = subprocess.run(verify, cwd=REPO, capture_output=True, text=True)
     assert v.returncode == 0, v.stdout + v.stderr
 
-    # Every process of a job asks at once (each rank calls latest_verified): one fetches, the others reuse it
-    shutil.rmtree(out / "ckptflow-restored-step-4")
+    # Every process of a job asks at once (each rank calls latest_verified): one fetches, the other finds it on hot
+    shutil.rmtree(hot)
+    capsys.readouterr()
     with ThreadPoolExecutor(2) as pool:
         got = list(pool.map(lambda _: latest_verified(str(out), run_id="hf", config=cfg), range(2)))
-    assert got == [str(out / "ckptflow-restored-step-4")] * 2
+    assert got == [str(step4)] * 2
+    said = capsys.readouterr().err
+    assert said.count("from the cold tier") == 1 and said.count("from step 4, from hot") == 1, said
 
 
 def _partial_and_damaged_are_caught(src, tmp_path) -> None:
