@@ -8,6 +8,7 @@ notification block and (re)creates one automation per condition:
 | lifecycle run failed or crashed | a ``ckptflow-lifecycle`` flow run entering Failed or Crashed |
 | drill run crashed | a ``ckptflow-restore-drill`` flow run entering Crashed (infrastructure) |
 | checkpoint quarantined | ``ckptflow.checkpoint.failed`` |
+| checkpoint not proven | ``ckptflow.checkpoint.unproven`` (its bytes verified, the sanity step could not run) |
 | restore drill failed | ``ckptflow.drill.failed`` (one per failed drill; the drill run also fails, but that
   state is not alerted again) |
 | trainer stalled | no ``ckptflow.checkpoint.committed`` for a run within ``stall_after_s`` (proactive) |
@@ -70,6 +71,13 @@ def _templates() -> dict[str, tuple[str, str]]:
             f"Run {run}, checkpoint step {step} ({{{{ event.payload.uri }}}}) failed verification and was "
             "quarantined (never promoted; resume skips it). What failed: {{ event.payload.reasons | join('; ') }}",
         ),
+        "checkpoint not proven": (
+            f"ckptflow: checkpoint {run} step {step} not proven restorable",
+            f"Run {run}, checkpoint step {step} ({{{{ event.payload.uri }}}}): its bytes verified, but the sanity "
+            "step could not run to a verdict: {{ event.payload.reason }}. It was carried on to warm and cold, not "
+            "quarantined. Give the lifecycle's workers what the step needs (memory, lifecycle.sanity_timeout_s, "
+            "the model's builder), then prove it with a restore drill.",
+        ),
         "restore drill failed": (
             f"ckptflow: restore drill FAILED for {run} step {step}",
             f"Run {run}, checkpoint step {step} ({{{{ event.payload.uri }}}}): the restore drill failed: "
@@ -107,6 +115,13 @@ def _triggers(stall_after_s: float) -> dict[str, Any]:
         ),
         "checkpoint quarantined": EventTrigger(
             expect={"ckptflow.checkpoint.failed"},
+            match=ckpt,
+            posture=Posture.Reactive,
+            threshold=1,
+            within=timedelta(0),
+        ),
+        "checkpoint not proven": EventTrigger(
+            expect={"ckptflow.checkpoint.unproven"},
             match=ckpt,
             posture=Posture.Reactive,
             threshold=1,

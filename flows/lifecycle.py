@@ -131,6 +131,9 @@ def _stages(ref: CheckpointRef, table: tuple[Stage, ...] = STAGES) -> dict[str, 
             out["status"] = "quarantined"
             _artifact(ref, rows, "quarantined")
             return out
+        if rec.body.get("proven") is False:  # bytes verified, the sanity step could not run: carried on, said
+            out["proven"] = False
+            emit(events.UNPROVEN, ref.run_id, ref.step, {"reason": rec.body.get("not_proven"), "uri": ref.uri})
         if stage.event is not None and rec.body.get("exported", True):  # no event for an export not made
             emit(stage.event, ref.run_id, ref.step, _payload(stage, rec, ref))
     out["status"] = "done"
@@ -166,6 +169,8 @@ def _row(stage: Stage, rec: StageRecord | None) -> tuple[str, str, str, str, str
     raw, stored = b.get("bytes_raw", 0) or b.get("integrity", {}).get("bytes", 0), b.get("bytes_stored", 0)
     ratio = f"{raw / stored:.3f}x" if stored else ""
     status = "skipped (done before)" if rec.skipped else "ok"
+    if b.get("proven") is False:
+        status += f", NOT PROVEN: {b.get('not_proven')}"[:300]
     return (
         stage.name,
         status,

@@ -190,6 +190,9 @@ class LifecycleConfig:
     ``sanity_step``; None (the default) means "whenever the sanity step runs"."""
     max_norm_change: float = 0.5
     """Largest relative change of the parameter norm between consecutive checkpoints."""
+    sanity_timeout_s: float = 900.0
+    """How long the sanity step (and an adopted checkpoint's own check) may run. One that runs past it
+    is killed and the checkpoint goes on unproven, not quarantined (``tasks/verify.py``)."""
     node_part_timeout_s: float = 1800.0
     """Node-local hot roots: how long the lifecycle waits for every node's part before it takes the
     missing files over from replicas (a node whose worker is down delays only its own part)."""
@@ -210,6 +213,8 @@ class LifecycleConfig:
                 "expectations check the statistics of the state the sanity step restores; "
                 "turn the sanity step on, or the expectations off"
             )
+        if not self.sanity_timeout_s > 0:
+            raise _fail("lifecycle.sanity_timeout_s", self.sanity_timeout_s, "must be > 0")
         if not self.node_part_timeout_s > 0:
             raise _fail("lifecycle.node_part_timeout_s", self.node_part_timeout_s, "must be > 0")
         if not self.max_norm_change > 0:

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ckptflow.trainer.distenv import DistEnv, exit_process, init_distributed, shutdown
-from ckptflow.trainer.errors import CkptflowError, ConfigError, IntegrityError
+from ckptflow.trainer.errors import CkptflowError, ConfigError, IntegrityError, LoadError
 from ckptflow.trainer.format import layout
 from ckptflow.trainer.format.manifest import ADOPTED, Manifest
 from ckptflow.trainer.loader import load_verified
@@ -77,7 +77,13 @@ def import_builder(name: str):
     """Import a ``module:function`` builder, no allow-list: for names from the user's own code
     (``SanitySpec.builder`` in the training process), never for names read from storage."""
     mod, fn = _split(name)
-    return getattr(importlib.import_module(mod), fn)
+    try:
+        return getattr(importlib.import_module(mod), fn)
+    except (ImportError, AttributeError) as e:  # not installed where this runs: a fact about the worker
+        raise ConfigError(
+            f"sanity builder {name!r} cannot be imported here ({type(e).__name__}: {e}); install the model's "
+            "code where the lifecycle runs"
+        ) from e
 
 
 def _split(name: str) -> tuple[str, str]:
@@ -166,6 +172,9 @@ def run(ckpt_dir: str, *, rtol: float = 1e-5, want_stats: bool = False) -> dict[
         # Restores this rank's RNG of the saving run (rank 0's here on rank 0) and the data position.
         state = TrainState(model=built.model, optimizer=built.optimizer, scheduler=built.scheduler, sampler=sampler)
         load_verified(ckpt_dir, manifest, env=env, state=state)
+    except LoadError as e:  # verified bytes this model could not take: this worker's builder, or its memory
+        out.update(error="load", problems=[str(e)])
+        return out
     except IntegrityError as e:
         out.update(error="integrity", problems=[str(e)])
         return out
@@ -244,6 +253,8 @@ def _every_item(ckpt_dir: str, manifest: Manifest, env: DistEnv) -> dict[str, An
         )
     except CkptflowError as e:
         return {"error": "integrity", "problems": [str(e)], "check": "every_item"}
+    except MemoryError as e:
+        return {"error": "resources", "problems": [f"MemoryError: {e}"], "check": "every_item"}
     except (Exception, dcp.CheckpointException) as e:  # the latter is a BaseException
         return {"error": "load", "problems": [f"{type(e).__name__}: {str(e)[:500]}"], "check": "every_item"}
     t_load = time.perf_counter() - t0
@@ -268,6 +279,17 @@ def _every_item(ckpt_dir: str, manifest: Manifest, env: DistEnv) -> dict[str, An
     }
 
 
+def _first_to_go() -> None:
+    """If the kernel must kill a process for memory (the machine's, or a container's limit), this check is the one
+    to go: the worker that runs the lifecycle survives and records the checkpoint as unproven, not lost with it.
+    Raising one's own OOM score needs no privilege; where /proc is not Linux's, nothing changes."""
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m ckptflow.tasks.sanity",
@@ -279,10 +301,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stats", action="store_true", help="include per-tensor statistics")
     p.add_argument("--rtol", type=float, default=1e-5)
     a = p.parse_args(argv)
+    _first_to_go()
     try:
         res = run(os.path.abspath(a.ckpt_dir), rtol=a.rtol, want_stats=a.stats)
     except CkptflowError as e:
         res = {"ckpt": a.ckpt_dir, "ok": False, "error": type(e).__name__, "problems": [str(e)]}
+    except MemoryError as e:
+        res = {"ckpt": a.ckpt_dir, "ok": False, "error": "resources", "problems": [f"MemoryError: {e}"]}
     # What this check cost in CPU, imports included: a fresh process pays for torch and DCP, a child
     # forked from the fork server only for the check (a process's CPU time starts at its fork).
     res["process_cpu_seconds"] = time.process_time()

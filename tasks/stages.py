@@ -167,7 +167,13 @@ def _verify(ref: CheckpointRef) -> Done:
 
     lc = ref.cfg.lifecycle
     assert lc.expectations is not None  # LifecycleConfig.__post_init__ resolves None to sanity_step
-    out = verify(ref, sanity_step=lc.sanity_step, expectations=lc.expectations, max_norm_change=lc.max_norm_change)
+    out = verify(
+        ref,
+        sanity_step=lc.sanity_step,
+        expectations=lc.expectations,
+        max_norm_change=lc.max_norm_change,
+        sanity_timeout_s=lc.sanity_timeout_s,
+    )
     return Done(out.to_dict(), ok=out.ok)
 
 

@@ -7,6 +7,14 @@
 (c) Great Expectations over per-tensor statistics (finite, Adam v >= 0, bounded norm
     change since the previous verified checkpoint, step forward).
 
+"Could not check" is not "bad": only damaged bytes, a probe or learning-rate mismatch, a failed
+parse or a failed expectation quarantine. A sanity step that could not run to its verdict (killed
+for memory, past ``lifecycle.sanity_timeout_s``, no builder for the model on this worker, a model
+that would not take the verified bytes) leaves a checkpoint whose every byte verified *unproven*:
+the record says why (``proven: false``, ``not_proven``), the flow alerts, and the checkpoint goes
+on to warm and cold. Holding it back would keep the only copies on the machine most likely to
+fail, for a doubt about the checker; a restore drill proves it later.
+
 The action of the lifecycle's verify stage (``tasks/stages.py`` writes its record:
 ``verified.json`` on a pass, ``quarantined.json`` with the reasons on a fail — then the
 checkpoint is never promoted and the trainer's resume skips it). It writes the
@@ -18,6 +26,7 @@ one node-local checkpoint together (``ckptflow verify DIR DIR ...``).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -38,6 +47,8 @@ from ckptflow.trainer.verify import VerifyResult, verify_checkpoint
 
 SANITY_MODULE = "ckptflow.tasks.sanity"
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(slots=True)
 class VerifyOutcome:
@@ -49,9 +60,48 @@ class VerifyOutcome:
     sanity: dict[str, Any] = field(default_factory=dict)
     expectations: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
+    proven: bool = True
+    """False when the sanity step could not run to a verdict (``ok`` stays True: see the module doc)."""
+    not_proven: str | None = None
+    """Why it could not, when ``proven`` is False."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+CRASHED, TIMEOUT = "sanity-crashed", "timeout"
+
+_COULD_NOT = {
+    CRASHED: "the check's process died before its verdict",
+    TIMEOUT: "the check ran past lifecycle.sanity_timeout_s",
+    "ConfigError": "this worker cannot build the model",
+    "load": "the model built here would not take the verified bytes",
+    "resources": "the check ran out of memory",
+    "no-sanity-spec": "the manifest records no model to rebuild",
+    "no-replay": "the model's builder cannot replay the recorded step",
+}
+"""Errors of a sanity step (or an adopted checkpoint's own check) that did not reach a verdict on the
+checkpoint: each is a fact about the worker or the check, not the bytes (which verified first)."""
+
+
+def could_not_check(res: dict[str, Any]) -> str | None:
+    """Why a check's result says nothing about the checkpoint, or None when it is a verdict (a pass, or a
+    mismatch, damaged bytes, a failed parse: those quarantine)."""
+    what = _COULD_NOT.get(str(res.get("error")))
+    if res.get("ok") or what is None:
+        return None
+    problems = res.get("problems") or []
+    return f"{what} ({problems[0][:500]})" if problems else what
+
+
+def _died(returncode: int) -> str:
+    if returncode < 0:
+        import signal
+
+        name = signal.Signals(-returncode).name if -returncode in signal.valid_signals() else str(-returncode)
+        hint = " (the kernel's OOM killer or a memory limit, or an operator)" if name == "SIGKILL" else ""
+        return f"killed by {name}{hint}"
+    return f"exited {returncode} without a result"
 
 
 def run_sanity(ckpt_dir: str, *, nproc: int = 1, timeout_s: float = 900, stats: bool = True) -> dict[str, Any]:
@@ -65,18 +115,26 @@ def run_sanity(ckpt_dir: str, *, nproc: int = 1, timeout_s: float = 900, stats: 
         out = os.path.join(tmp, "result.json")
         args = [ckpt_dir, "--out", out, *(["--stats"] if stats else [])]
         t0 = time.perf_counter()
-        ran = _sanity_forked(args, timeout_s) if nproc == 1 else None
-        if ran is not None:
-            returncode, stderr = ran
-            how = "forkserver"
-        else:
-            returncode, stderr = _sanity_fresh(args, nproc, timeout_s)
-            how = "fresh" if nproc == 1 else f"torchrun x{nproc}"
+        try:
+            ran = _sanity_forked(args, timeout_s) if nproc == 1 else None
+            if ran is not None:
+                returncode, stderr = ran
+                how = "forkserver"
+            else:
+                returncode, stderr = _sanity_fresh(args, nproc, timeout_s)
+                how = "fresh" if nproc == 1 else f"torchrun x{nproc}"
+        except subprocess.TimeoutExpired:
+            return {
+                "ok": False,
+                "error": TIMEOUT,
+                "problems": [f"the sanity step ran past {timeout_s:g} s on {ckpt_dir}; killed"],
+                "process_seconds": time.perf_counter() - t0,
+            }
         try:
             with open(out) as f:
                 res = json.load(f)
         except (OSError, json.JSONDecodeError):
-            res = {"ok": False, "error": "sanity-crashed", "problems": [stderr[-2000:]]}
+            res = {"ok": False, "error": CRASHED, "problems": [f"{_died(returncode)}: {stderr[-2000:]}"]}
         res["process_seconds"] = time.perf_counter() - t0
         res["returncode"] = returncode
         res["process"] = how
@@ -115,10 +173,10 @@ def run_adopted_check(name: str, ckpt_dir: str, *, timeout_s: float = 900) -> di
             with open(out) as f:
                 res = json.load(f)
         except subprocess.TimeoutExpired:
-            res = {"ok": False, "problems": [f"{name} ran past {timeout_s:.0f} s on {ckpt_dir}"]}
+            res = {"ok": False, "error": TIMEOUT, "problems": [f"{name} ran past {timeout_s:.0f} s on {ckpt_dir}"]}
         except (OSError, json.JSONDecodeError):
-            why = f"rc={r.returncode}: {r.stderr[-1500:]}" if r is not None else "did not start"
-            res = {"ok": False, "problems": [f"{name} crashed ({why})"]}
+            why = f"{_died(r.returncode)}: {r.stderr[-1500:]}" if r is not None else "did not start"
+            res = {"ok": False, "error": CRASHED, "problems": [f"{name} crashed ({why})"]}
     res.update(check=name, seconds=time.perf_counter() - t0)
     return res
 
@@ -183,9 +241,11 @@ def verify(
     expectations: bool = True,
     max_norm_change: float = 0.5,
     ckpt_dir: str | None = None,
+    sanity_timeout_s: float = 900.0,
 ) -> VerifyOutcome:
     """Integrity, then the sanity step, then the expectations, of the checkpoint on hot (or in
-    ``ckpt_dir``: a complete copy fetched from warm); the first check that fails decides."""
+    ``ckpt_dir``: a complete copy fetched from warm); the first check that fails decides, and a sanity
+    step that could not run leaves it unproven (module doc)."""
     run_path, step, run_id = ref.records_path, ref.step, ref.run_id
     t0 = time.perf_counter()
     ckpt = ckpt_dir or ref.hot_dir
@@ -231,18 +291,23 @@ def verify(
         out.sanity = parse_check(ckpt, integ.manifest)
         check = ref.cfg.lifecycle.adopted_check
         if out.sanity["ok"] and check:  # then the user's own check, in a fresh process
-            user = run_adopted_check(check, ckpt)
-            out.sanity.update(ok=user["ok"], user_check=user)
-            out.sanity["problems"] += user.get("problems", [])
+            user = run_adopted_check(check, ckpt, timeout_s=sanity_timeout_s)
+            out.not_proven = could_not_check(user)
+            if out.not_proven is None:
+                out.sanity.update(ok=user["ok"], user_check=user)
+                out.sanity["problems"] += user.get("problems", [])
+            else:
+                out.sanity.update(user_check=user)
         if not out.sanity["ok"]:
             out.reasons = [f"sanity: {w}" for w in out.sanity["problems"]]
             return _finish(out, t0)
     elif sanity_step:
-        san = run_sanity(ckpt, stats=expectations)
+        san = run_sanity(ckpt, stats=expectations, timeout_s=sanity_timeout_s)
         faults.maybe_crash("verify.sanity", step)
         stats = san.pop("stats", None)
         out.sanity = san
-        if not san.get("ok"):
+        out.not_proven = could_not_check(san)
+        if out.not_proven is None and not san.get("ok"):
             why = san.get("problems") or [
                 f"probe loss {san.get('probe_loss_restored')} != recorded {san.get('probe_loss_recorded')} "
                 f"({san.get('probe_match')}); lr {san.get('lr_restored')} vs {san.get('lr_recorded')}"
@@ -263,6 +328,9 @@ def verify(
             out.reasons = [f"expectations: {f}" for f in rep.failures]
             return _finish(out, t0)
     out.ok = True
+    if out.not_proven is not None:
+        out.proven = False
+        log.warning("%s step %d: not proven restorable, carried on: %s", run_id, step, out.not_proven)
     if stats is not None:  # what the next checkpoint's norm-change expectation compares against
         records.write_side_file(run_path, step, layout.STATS, stats)
     return _finish(out, t0)

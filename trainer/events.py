@@ -34,6 +34,7 @@ __all__ = [
     "FAILED",
     "PROMOTED",
     "PRUNED",
+    "UNPROVEN",
     "VERIFIED",
     "announce_commit",
     "append_outbox",
@@ -54,6 +55,9 @@ COMMITTED = "ckptflow.checkpoint.committed"
 VERIFIED = "ckptflow.checkpoint.verified"
 FAILED = "ckptflow.checkpoint.failed"
 """Verification failed: the checkpoint is quarantined."""
+UNPROVEN = "ckptflow.checkpoint.unproven"
+"""Its bytes verified but the sanity step could not run to a verdict (out of memory, a timeout, no builder
+on the worker): carried on to warm and cold, not proven restorable; payload ``reason``."""
 PROMOTED = "ckptflow.checkpoint.promoted"
 ARCHIVED = "ckptflow.checkpoint.archived"
 PRUNED = "ckptflow.checkpoint.pruned"

@@ -31,6 +31,8 @@ class Row:
     """The verify stage passed it, or a warm/cold tier holds a copy (checked before commit)."""
     quarantined: bool = False
     quarantine_reasons: list[str] = field(default_factory=list)
+    not_proven: str | None = None
+    """Its bytes verified but the sanity step could not run to a verdict: why (the verify record's)."""
     pinned: list[str] = field(default_factory=list)
     latest: list[str] = field(default_factory=list)
     """Tiers whose ``latest`` names this step."""
@@ -210,6 +212,8 @@ def collect(cfg: Any, run_filter: str | None = None) -> tuple[list[Row], dict[st
         row.stages = [x for x in RECORDS if x in st]
         if VERIFY.record in st:
             row.verified = True
+            if st[VERIFY.record].get("proven") is False:
+                row.not_proven = str(st[VERIFY.record].get("not_proven") or "no reason recorded")
         q = st.get(records.QUARANTINED)
         if q is not None:
             row.quarantined, row.verified = True, False
@@ -246,6 +250,8 @@ def status_text(r: Row) -> str:
         return "QUARANTINED (" + "; ".join(r.quarantine_reasons)[:120] + ")"
     bad = "; ".join(f"{t}: {p}" for t, p in r.problems.items())
     base = "verified" if r.verified else "not verified"
+    if r.not_proven is not None:
+        base = f"bytes verified, NOT PROVEN restorable ({r.not_proven[:120]})"
     return f"{base}; DAMAGED {bad[:120]}" if bad else base
 
 
@@ -276,7 +282,7 @@ def _table(cfg: Any, rows: list[Row], layout: Any) -> None:
     tbl.add_column("pinned", no_wrap=True)
     tbl.add_column("latest", no_wrap=True)
     for r in rows:
-        style = "red" if r.quarantined or r.problems else ("green" if r.verified else "yellow")
+        style = "red" if r.quarantined or r.problems else ("green" if r.verified and not r.not_proven else "yellow")
         tbl.add_row(
             r.run_id,
             str(r.step),

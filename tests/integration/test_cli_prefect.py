@@ -114,14 +114,14 @@ def test_alerts_setup_creates_the_automations_and_never_prints_the_token(capsys,
         assert r.code == 0, r.err
         assert "SECRET" not in r.out + r.err
         doc = json.loads(r.out)
-        assert doc["webhook"] == "http://127.0.0.1/…" and len(doc["automations"]) == 5
+        assert doc["webhook"] == "http://127.0.0.1/…" and len(doc["automations"]) == 6
         with get_client(sync_client=True) as c:
             names = {a.name for a in c.read_automations() if a.name.startswith("ckptflow: ")}
         assert {"ckptflow: restore drill failed", "ckptflow: trainer stalled"} <= names
         text = invoke(capsys, "alerts", "setup", url)  # repeatable: replaces, does not duplicate
         assert text.code == 0 and "SECRET" not in text.out + text.err and "checkpoint quarantined" in text.out
         with get_client(sync_client=True) as c:
-            assert len([a for a in c.read_automations() if a.name.startswith("ckptflow: ")]) == 5
+            assert len([a for a in c.read_automations() if a.name.startswith("ckptflow: ")]) == 6
     finally:  # leave the shared server without automations that post to a dead port
         with get_client(sync_client=True) as c:
             for a in c.read_automations():

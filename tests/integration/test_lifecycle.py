@@ -46,6 +46,24 @@ def test_lifecycle_twice_does_nothing_twice(prefect_api, s3_endpoint, s3_bucket,
     assert cold_objects(s3_endpoint, s3_bucket) == objects  # nothing re-uploaded
 
 
+def test_a_sanity_step_past_its_timeout_carries_the_checkpoint_on_unproven_and_says_so(
+    prefect_api, s3_endpoint, s3_bucket, tmp_path, run_copy
+):
+    """"Could not check" is not "bad" (more causes: ``test_could_not_check``): the bytes verified, the sanity
+    step was killed at its timeout; the checkpoint reaches cold, and the flow says it is not proven."""
+    from ckptflow.flows.lifecycle import lifecycle
+    from ckptflow.trainer.events import UNPROVEN
+    from tests.helpers import server_event
+
+    cfg = write_config(tmp_path, run_copy, s3_endpoint, s3_bucket, lifecycle="sanity_timeout_s = 0.2")
+    out = lifecycle(run_id="tiny", step=4, uri=str(step_dir(run_copy / "tiny", 4)), config=cfg)
+    assert out["status"] == "done" and out["proven"] is False, out
+    assert out["verify"]["sanity"]["error"] == "timeout" and "sanity_timeout_s" in out["verify"]["not_proven"]
+    assert 4 in cold_steps(s3_endpoint, s3_bucket, "tiny")
+    ev = server_event(prefect_api, "ckptflow.checkpoint.tiny.4", UNPROVEN)
+    assert "ran past 0.2 s" in ev["payload"]["reason"], ev
+
+
 def test_lifecycle_killed_half_way_finishes_on_rerun(prefect_api, s3_endpoint, s3_bucket, tmp_path, run_copy):
     """SIGKILL right after the first object of the archive; the re-run uploads only the rest."""
     cfg = write_config(tmp_path, run_copy, s3_endpoint, s3_bucket, hot_keep=5, warm_keep=5, cold_keep=5)

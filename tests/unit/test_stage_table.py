@@ -24,3 +24,19 @@ def test_a_node_table_s_stage_is_never_taken_for_the_general_one_of_the_same_nam
         general = BY_NAME[node_stage.name]
         assert (node_stage == general) is (node_stage.act is general.act), node_stage.name
         assert (node_stage in STAGES) is (node_stage is general)
+
+
+def test_only_a_verdict_on_the_checkpoint_quarantines_it():
+    """The verify stage's classification of a sanity step's result: what says nothing about the checkpoint (its
+    bytes verified first) leaves it unproven; a mismatch, damaged bytes or a failed parse is a verdict."""
+    from ckptflow.tasks.verify import could_not_check
+
+    for error in ("sanity-crashed", "timeout", "ConfigError", "load", "resources", "no-sanity-spec", "no-replay"):
+        assert could_not_check({"ok": False, "error": error, "problems": ["why"]}), error
+    for verdict in (
+        {"ok": False, "error": "integrity", "problems": ["checksum differs"]},
+        {"ok": False, "probe_match": "mismatch"},  # the probe loss or the learning rate differs: no error key
+        {"ok": False, "check": "every_item", "problems": ["ranks loaded different values for w"]},
+        {"ok": True, "error": "timeout"},
+    ):
+        assert could_not_check(verdict) is None, verdict
