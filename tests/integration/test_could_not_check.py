@@ -1,7 +1,7 @@
-""""Could not check" is not "bad": a sanity step that cannot run to its verdict (killed for memory, no builder
-for the model on the worker; past its timeout: ``test_lifecycle``) leaves a checkpoint whose bytes verified
-unproven, never quarantined, and it goes on to warm. The verify stage runs as the lifecycle runs it
-(``run_stage``), in a process of its own where the test needs a memory limit around it."""
+"""A check that could not run is not a bad checkpoint: a sanity step that cannot reach its verdict (killed
+for memory, no builder for the model on the worker; past its timeout: ``test_lifecycle``) leaves a checkpoint
+whose bytes verified unproven, never quarantined, and it goes on to warm. The verify stage runs as the
+lifecycle runs it (``run_stage``), in a process of its own where the test puts a memory limit around it."""
 
 from __future__ import annotations
 

@@ -49,8 +49,9 @@ def test_lifecycle_twice_does_nothing_twice(prefect_api, s3_endpoint, s3_bucket,
 def test_a_sanity_step_past_its_timeout_carries_the_checkpoint_on_unproven_and_says_so(
     prefect_api, s3_endpoint, s3_bucket, tmp_path, run_copy
 ):
-    """"Could not check" is not "bad" (more causes: ``test_could_not_check``): the bytes verified, the sanity
-    step was killed at its timeout; the checkpoint reaches cold, and the flow says it is not proven."""
+    """A check that could not run is not a bad checkpoint (more causes: ``test_could_not_check``): the bytes
+    verified, the sanity step was killed at its timeout; the checkpoint reaches cold, and the flow says it is not
+    proven."""
     from ckptflow.flows.lifecycle import lifecycle
     from ckptflow.trainer.events import UNPROVEN
     from tests.helpers import server_event
