@@ -25,6 +25,7 @@ state (finite, norm, min/max, mean) for the expectation suite of the verify stag
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import math
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ckptflow.tasks.bounded import NotStreamable
 from ckptflow.trainer.distenv import DistEnv, exit_process, init_distributed, shutdown
 from ckptflow.trainer.errors import CkptflowError, ConfigError, IntegrityError, LoadError
 from ckptflow.trainer.format import layout
@@ -130,7 +132,7 @@ def _row(name: str, kind: str, t: torch.Tensor) -> dict[str, Any]:
     }
 
 
-def run(ckpt_dir: str, *, rtol: float = 1e-5, want_stats: bool = False) -> dict[str, Any]:
+def run(ckpt_dir: str, *, rtol: float = 1e-5, want_stats: bool = False, whole: bool = False) -> dict[str, Any]:
     t0 = time.perf_counter()
     env = init_distributed()
     # The cheap checks (manifest, every file present with its size) here; the load verifies
@@ -152,54 +154,29 @@ def run(ckpt_dir: str, *, rtol: float = 1e-5, want_stats: bool = False) -> dict[
         return out
     if san.get("torch_threads"):
         torch.set_num_threads(int(san["torch_threads"]))
-    built = resolve_builder(san["builder"])(san["config"], parallel="fsdp" if env.world_size > 1 else "none")
+    builder = resolve_builder(san["builder"])
     probe = san.get("probe") or {}
     kind = probe.get("kind", "fixed_batch")  # checkpoints before SanitySpec.reference have no kind
-    sampler = None
-    if kind == "next_step":
-        if not (hasattr(built, "replay_sampler") and hasattr(built, "replay_loss")):
-            out.update(
-                error="no-replay",
-                problems=[
-                    f"the manifest's reference is the loss of the step after the save, and builder "
-                    f"{san['builder']} cannot replay a step (its Built needs replay_sampler and replay_loss)"
-                ],
-            )
-            return out
-        sampler = built.replay_sampler(int(probe["world_size"]))
-    t1 = time.perf_counter()
-    try:
-        # Restores this rank's RNG of the saving run (rank 0's here on rank 0) and the data position.
-        state = TrainState(model=built.model, optimizer=built.optimizer, scheduler=built.scheduler, sampler=sampler)
-        load_verified(ckpt_dir, manifest, env=env, state=state)
-    except LoadError as e:  # verified bytes this model could not take: this worker's builder, or its memory
-        out.update(error="load", problems=[str(e)])
+    got: dict[str, Any] | None = None
+    if env.world_size == 1 and not whole:
+        try:
+            got = _restore_and_probe(ckpt_dir, manifest, env, builder, san, want_stats, bounded=True)
+        except NotStreamable as e:  # the whole load decides, and the result says why
+            out["bounded_note"] = f"loaded whole: {e}"
+        else:
+            if "error" not in got and _match(got["loss"], probe.get("loss"), manifest, rtol) == "mismatch":
+                # a verdict of the streamed run alone never quarantines: the whole load decides
+                out["bounded_note"] = f"the streamed probe gave {got['loss']!r}; loaded whole to decide"
+                got = None
+    if got is None:
+        got = _restore_and_probe(ckpt_dir, manifest, env, builder, san, want_stats, bounded=False)
+    if "error" in got:
+        out.update(got)
         return out
-    except IntegrityError as e:
-        out.update(error="integrity", problems=[str(e)])
-        return out
-    t_load = time.perf_counter() - t1
-    t2 = time.perf_counter()
-    rec = probe.get("loss")
-    loss: float | None = None
-    if kind == "next_step":
-        loss = built.replay_loss(sampler)  # every rank: a collective under FSDP; rank 0's is compared
-    elif kind == "fixed_batch":
-        built.probe = torch.tensor(probe["tokens"], dtype=torch.long)
-        loss = built.probe_loss()
-    t_probe = time.perf_counter() - t2
-    same_platform = manifest.provenance.get("torch_version") == torch.__version__
-    if rec is None or loss is None:
-        match = "not_recorded"  # the restore is still proven; the reason is in the manifest
-    elif loss == float(rec):
-        match = "bitwise"
-    elif not same_platform and math.isclose(loss, float(rec), rel_tol=rtol):
-        match = "within_rtol"
-    else:
-        match = "mismatch"
-    lr = float(built.scheduler.get_last_lr()[0])
+    loss, rec = got["loss"], probe.get("loss")
+    match = _match(loss, rec, manifest, rtol)
     rec_lr = san.get("next_lr")
-    lr_ok = rec_lr is None or lr == float(rec_lr)
+    lr_ok = rec_lr is None or got["lr"] == float(rec_lr)
     out.update(
         probe_kind=kind,
         probe_loss_recorded=rec,
@@ -207,18 +184,110 @@ def run(ckpt_dir: str, *, rtol: float = 1e-5, want_stats: bool = False) -> dict[
         probe_match=match,
         probe_abs_diff=abs(loss - float(rec)) if loss is not None and rec is not None else None,
         lr_recorded=rec_lr,
-        lr_restored=lr,
+        lr_restored=got["lr"],
         lr_match=lr_ok,
-        same_platform=same_platform,
+        same_platform=manifest.provenance.get("torch_version") == torch.__version__,
         rtol=rtol,
-        seconds={"verify": t_verify, "load": t_load, "probe": t_probe, "total": time.perf_counter() - t0},
+        memory=got["memory"],
+        seconds={"verify": t_verify, **got["seconds"], "total": time.perf_counter() - t0},
     )
     if match == "not_recorded":
         out["probe_note"] = probe.get("reason", "no reference loss recorded")
     out["ok"] = match != "mismatch" and lr_ok
     if want_stats:
-        out["stats"] = tensor_stats(built.model, built.optimizer)
+        out["stats"] = got["stats"]
+    if "largest_read_bytes" in got:
+        out["largest_read_bytes"] = got["largest_read_bytes"]
     return out
+
+
+def _match(loss: float | None, rec: Any, manifest: Manifest, rtol: float) -> str:
+    if rec is None or loss is None:
+        return "not_recorded"  # the restore is still proven; the reason is in the manifest
+    if loss == float(rec):
+        return "bitwise"
+    same_platform = manifest.provenance.get("torch_version") == torch.__version__
+    return "within_rtol" if not same_platform and math.isclose(loss, float(rec), rel_tol=rtol) else "mismatch"
+
+
+def _restore_and_probe(
+    ckpt_dir: str, manifest: Manifest, env: DistEnv, builder: Any, san: dict, want_stats: bool, *, bounded: bool
+) -> dict[str, Any]:
+    """Rebuild, restore and run the probe: whole (every tensor loaded first), or ``bounded`` (``tasks/bounded.py``:
+    raises NotStreamable when the model cannot run that way). ``{"error": ...}`` when the model is not one the
+    manifest's reference can be replayed on, or the load fails."""
+    from ckptflow.tasks.bounded import NotStreamable, Streamer, stream_stats, streamed_model
+    from ckptflow.trainer.dcp.reader import RangeReader
+
+    parallel = "fsdp" if env.world_size > 1 else "none"
+    if bounded:
+        with torch.device("meta"):
+            built = builder(san["config"], parallel=parallel)
+    else:
+        built = builder(san["config"], parallel=parallel)
+    probe = san.get("probe") or {}
+    kind = probe.get("kind", "fixed_batch")
+    sampler = None
+    if kind == "next_step":
+        if not (hasattr(built, "replay_sampler") and hasattr(built, "replay_loss")):
+            return {
+                "error": "no-replay",
+                "problems": [
+                    f"the manifest's reference is the loss of the step after the save, and builder "
+                    f"{san['builder']} cannot replay a step (its Built needs replay_sampler and replay_loss)"
+                ],
+            }
+        sampler = built.replay_sampler(int(probe["world_size"]))
+    t1 = time.perf_counter()
+    reader = RangeReader(ckpt_dir, manifest) if bounded else None
+    try:
+        # Restores this rank's RNG of the saving run (rank 0's here on rank 0) and the data position; bounded,
+        # the model's and optimizer's tensors are read later, as they are used
+        model = torch.nn.Module() if bounded else built.model
+        opt = None if bounded else built.optimizer
+        state = TrainState(model=model, optimizer=opt, scheduler=built.scheduler, sampler=sampler)
+        load_verified(ckpt_dir, manifest, env=env, state=state, reader=reader)
+    except LoadError as e:  # verified bytes this model could not take: this worker's builder, or its memory
+        return {"error": "load", "problems": [str(e)]}
+    except IntegrityError as e:
+        return {"error": "integrity", "problems": [str(e)]}
+    t_load = time.perf_counter() - t1
+    t2 = time.perf_counter()
+    streamer = Streamer(reader, env) if reader is not None else None
+    try:
+        with streamed_model(built.model, streamer) if streamer is not None else contextlib.nullcontext():
+            loss = _probe_loss(built, kind, probe, sampler)
+    except NotStreamable:
+        raise
+    except (LoadError, IntegrityError) as e:
+        return {"error": "integrity" if not isinstance(e, LoadError) else "load", "problems": [str(e)]}
+    except RuntimeError as e:
+        if streamer is None:
+            raise
+        raise NotStreamable(f"its forward failed with each module's tensors brought in alone ({e})"[:500]) from e
+    t_probe = time.perf_counter() - t2
+    stats = None
+    if streamer is not None:  # every parameter and optimizer tensor read once, its bytes verified as it is
+        stats = stream_stats(built.model, built.optimizer, streamer, _row)
+    elif want_stats:
+        stats = tensor_stats(built.model, built.optimizer)
+    return {
+        "loss": loss,
+        "lr": float(built.scheduler.get_last_lr()[0]),
+        "stats": stats,
+        "memory": "bounded" if streamer is not None else "whole",
+        "seconds": {"load": t_load, "probe": t_probe},
+        **({"largest_read_bytes": streamer.peak_bytes} if streamer is not None else {}),
+    }
+
+
+def _probe_loss(built: Any, kind: str, probe: dict, sampler: Any) -> float | None:
+    if kind == "next_step":
+        return built.replay_loss(sampler)  # every rank: a collective under FSDP; rank 0's is compared
+    if kind == "fixed_batch":
+        built.probe = torch.tensor(probe["tokens"], dtype=torch.long)
+        return built.probe_loss()
+    return None
 
 
 def _every_item(ckpt_dir: str, manifest: Manifest, env: DistEnv) -> dict[str, Any]:
@@ -300,10 +369,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="write the JSON result here (rank 0)")
     p.add_argument("--stats", action="store_true", help="include per-tensor statistics")
     p.add_argument("--rtol", type=float, default=1e-5)
+    p.add_argument(
+        "--whole", action="store_true", help="load every tensor before the probe (default at world size 1: bounded)"
+    )
     a = p.parse_args(argv)
     _first_to_go()
     try:
-        res = run(os.path.abspath(a.ckpt_dir), rtol=a.rtol, want_stats=a.stats)
+        res = run(os.path.abspath(a.ckpt_dir), rtol=a.rtol, want_stats=a.stats, whole=a.whole)
     except CkptflowError as e:
         res = {"ckpt": a.ckpt_dir, "ok": False, "error": type(e).__name__, "problems": [str(e)]}
     except MemoryError as e:

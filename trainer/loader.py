@@ -85,12 +85,19 @@ def files_read(step_dir: str, target: dict[str, Any], metadata: Any = None) -> s
 
 
 def load_verified(
-    path: str, manifest: Manifest, *, env: DistEnv, state: TrainState, reshard_state: Reshard | None = None
+    path: str,
+    manifest: Manifest,
+    *,
+    env: DistEnv,
+    state: TrainState,
+    reshard_state: Reshard | None = None,
+    reader: Any = None,
 ) -> dict[str, Any]:
     """``dcp.load`` the checkpoint in ``path`` (manifest authenticated, files not yet read); all ranks call it.
     Every byte is read through :func:`~ckptflow.trainer.dcp.reader.open_reader`'s reader, checked against
     ``manifest`` before any of it is handed on; nothing is unpickled. A mismatch raises ``IntegrityError`` on
-    every rank (:func:`load_local` agrees), so callers fall back together. Returns the loaded ``train`` dict."""
+    every rank (:func:`load_local` agrees), so callers fall back together. Returns the loaded ``train`` dict.
+    ``reader``: a reader of ``path`` to use instead (the bounded sanity step's ``RangeReader``)."""
     model, optimizer, scheduler, scaler = state.model, state.optimizer, state.scheduler, state.scaler
     sampler, extra = state.sampler, state.extra
     from ckptflow.trainer.dcp.planner import SafeLoadPlanner
@@ -100,7 +107,7 @@ def load_verified(
     mine = (
         [n for n in manifest.files if n.startswith(f"__{env.rank}_")] if manifest.world_size == env.world_size else []
     )
-    reader = open_reader(path, manifest, prefetch=mine)
+    reader = reader if reader is not None else open_reader(path, manifest, prefetch=mine)
     # No cyclic GC during the load: its many short-lived objects trigger full-heap collections, while
     # reference counting frees them anyway; pausing skips the passes, not the freeing.
     gc_was = gc.isenabled()

@@ -168,6 +168,8 @@ def build_load_target(
     if optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         target: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+    elif not model.state_dict():  # the rest of the state alone (the bounded sanity step reads tensors later)
+        target = {"model": {}}
     else:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -244,6 +246,8 @@ def apply_loaded_state(
 ) -> None:
     if optimizer is not None:
         set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    elif not loaded["model"] and not model.state_dict():
+        return  # nothing of the model was asked for (``build_load_target``)
     else:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 

@@ -86,6 +86,48 @@ def test_the_live_probe_is_recorded_at_every_save_and_replays_bitwise(tmp_path):
         assert res["probe_match"] == "bitwise", res
 
 
+TIED = """
+import json, os, sys, torch
+from ckptflow.trainer.checkpointer import CheckpointManager
+from ckptflow.trainer.config import CheckpointConfig, Provenance, SanitySpec
+from ckptflow.trainer.reference.build import TrainConfig
+from ckptflow.trainer.reference.model import ModelConfig, lm_loss
+from tests.loops.tied import BUILDER, build
+
+tcfg = TrainConfig(model=ModelConfig.preset("tiny").to_dict(), parallel="none")
+b = build(tcfg.to_dict())
+assert b.raw_model.head.weight is b.raw_model.tok.weight
+ckpt = CheckpointManager(
+    CheckpointConfig(root=sys.argv[1], run_id="t", interval=3, emit_events=False),
+    model=b.model, optimizer=b.optimizer, scheduler=b.scheduler,
+    provenance=Provenance(config=tcfg.to_dict(), data_fingerprint="test"),
+    sanity=SanitySpec(builder=BUILDER, config=tcfg.to_dict(), probe_tokens=b.probe.tolist(), probe_fn=b.probe_loss),
+)
+g = torch.Generator().manual_seed(7)
+for step in range(1, 4):
+    lm_loss(b.model, torch.randint(0, 64, (2, 17), generator=g)).backward()
+    b.optimizer.step(); b.scheduler.step(); b.optimizer.zero_grad()
+    ckpt.save(step)
+ckpt.close()
+"""
+
+
+def test_a_model_with_tied_weights_replays_bitwise_one_module_at_a_time(tmp_path):
+    """One parameter in two modules (the output layer tied to the token embedding): each module brings it in from
+    its own name when it runs, and the bounded sanity step gets the whole load's loss and statistics, bit for bit."""
+    env = torchrun_env({"CKPTFLOW_SANITY_BUILDERS": "tests.loops.tied:build"})
+    r = subprocess.run([PY, "-c", TIED, str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = {}
+    for how in ("bounded", "whole"):
+        cmd = [PY, "-m", "ckptflow.tasks.sanity", str(tmp_path / "t" / layout.step_name(3)), "--stats"]
+        s = subprocess.run([*cmd, *(["--whole"] if how == "whole" else [])], cwd=REPO, env=env, capture_output=True)
+        got[how] = json.loads(s.stdout)
+        assert got[how]["ok"] and got[how]["probe_match"] == "bitwise" and got[how]["memory"] == how, got[how]
+    assert got["bounded"]["stats"] == got["whole"]["stats"]
+    assert "bounded_note" not in got["bounded"]
+
+
 # ---- SanitySpec(reference="next_step"): the loss the loop computes anyway ---------------------
 
 NEXT_STEP = textwrap.dedent("""
@@ -164,6 +206,8 @@ def test_the_next_step_s_loss_is_the_reference_and_replays_bitwise(tmp_path):
         res = _sanity(str(tmp_path / "r" / layout.step_name(step)))
         assert res["ok"] and res["probe_match"] == "bitwise", res
         assert res["probe_kind"] == ("fixed_batch" if step == 7 else "next_step")
+        # one module's tensors at a time (tasks/bounded.py), autograd on as in the loop: the same bits
+        assert res["memory"] == "bounded" and "bounded_note" not in res, res
     # At a third world size too (as a restore drill runs it): FSDP over 3 ranks, each replaying
     # rank 0's share of the saving job's batch; rank 0 has rank 0's RNG.
     from ckptflow.tasks.verify import run_sanity
@@ -178,6 +222,7 @@ def test_a_next_step_loss_that_is_not_the_checkpoint_s_fails_the_sanity_step(tmp
     _, _, probes = _run_next_step(tmp_path, SKEW="0.001")
     res = _sanity(str(tmp_path / "r" / layout.step_name(4)))
     assert not res["ok"] and res["probe_match"] == "mismatch", res
+    assert res["memory"] == "whole" and "loaded whole to decide" in res["bounded_note"], res  # never the stream alone
 
 
 def test_a_step_that_never_reports_its_loss_commits_without_a_reference(tmp_path):

@@ -1,5 +1,6 @@
-"""A model too big for the lifecycle worker that checks it, as the sanity step's builder: it holds 1.5 GB
-before it builds the reference model, as a real one's weights would."""
+"""A model too big for the lifecycle worker that checks it, as the sanity step's builder: it holds 1.5 GB on the
+CPU before it builds the reference model, whatever device the sanity step builds on (as a builder that reads
+weights of its own would)."""
 
 from __future__ import annotations
 
@@ -13,5 +14,5 @@ def build(config: dict[str, Any], *, parallel: str | None = None):
 
     from ckptflow.trainer.reference.build import build as reference
 
-    HELD.append(torch.ones(384 * 2**20))  # 1.5 GB, every page touched
+    HELD.append(torch.ones(384 * 2**20, device="cpu"))  # 1.5 GB, every page touched
     return reference(config, parallel=parallel)

@@ -40,7 +40,7 @@ from ckptflow.trainer.format.manifest import FileEntry, Manifest
 from ckptflow.trainer.safeopen import open_regular
 from ckptflow.trainer.verify import resolve_member
 
-__all__ = ["THREADS", "VerifiedReader", "open_reader"]
+__all__ = ["THREADS", "RangeReader", "VerifiedReader", "open_reader"]
 
 
 THREADS = 4
@@ -351,3 +351,39 @@ def _close_maps(maps: list[mmap.mmap]) -> None:
             m.close()
         except BufferError:  # a view of it is still alive (an error's traceback): unmapped with it
             pass
+
+
+class RangeReader(VerifiedReader):
+    """For many small reads of large files (the bounded sanity step: one module's tensors at a time): each read
+    verifies only the blocks under the items it reads (a file without block digests: whole) and maps the files
+    for that read alone, so what stays resident is what was asked for, not the files."""
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file = self._per_file(plan)
+        maps = {name: self._map(name) for name in per_file}  # not kept: unmapped once the copies are made
+        blocks: list[Block] = []
+        for name, items in per_file.items():
+            every = blocks_of(name, self._entry(name), len(maps[name]))
+            if not every or every[0].whole:
+                blocks += every
+                continue
+            size = every[0].end - every[0].start
+            under = {
+                k
+                for _, info in items
+                if info.length
+                for k in range(info.offset // size, (info.offset + info.length - 1) // size + 1)
+            }
+            blocks += [every[k] for k in sorted(under) if k < len(every)]
+        for b in blocks:
+            err = verify(maps[b.name], b, self._path(b.name))
+            if err is not None:
+                raise err
+        copies, byte_items = self._locate(per_file, maps, Locator(), lambda req: planner.resolve_tensor(req).detach())
+        for c in copies:
+            if c.hi > c.lo:
+                c.dst.copy_(c.source(maps[c.name]))
+            c.src = None  # the last view of the map: it goes with the dict below
+        self.bytes_read += sum(b.end - b.start for b in blocks)
+        maps.clear()
+        return self._hand_on(planner, copies, byte_items)
