@@ -144,10 +144,12 @@ def stream_stats(
     for group in optimizer.param_groups:
         for p in group["params"]:
             name = names.get(id(p), "?")
-            keys = sorted(k for k in streamer.sizes if k.startswith(f"{OPTIM_STATE}{name}."))
-            got = streamer.read(keys) if keys else {}
-            for key in ("exp_avg", "exp_avg_sq"):
-                t = got.get(f"{OPTIM_STATE}{name}.{key}")
-                if t is not None:
-                    rows.append(row(f"{name}.{key}", key, t))
+            got: dict[str, dict] = {}
+            for k in sorted(k for k in streamer.sizes if k.startswith(f"{OPTIM_STATE}{name}.")):  # one at a time
+                key = k.rpartition(".")[2]
+                t = streamer.read([k])[k]
+                if key in ("exp_avg", "exp_avg_sq"):
+                    got[key] = row(f"{name}.{key}", key, t)
+                del t
+            rows += [got[key] for key in ("exp_avg", "exp_avg_sq") if key in got]
     return rows

@@ -119,12 +119,13 @@ def tensor_stats(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> li
 def _row(name: str, kind: str, t: torch.Tensor) -> dict[str, Any]:
     f = t.float()
     finite = torch.isfinite(f)
-    fin = f[finite]
+    n_finite = int(finite.sum())
+    fin = f if n_finite == f.numel() else f[finite]  # no copy in the common case: every value finite
     return {
         "name": name,
         "kind": kind,
         "numel": f.numel(),
-        "finite_frac": float(finite.float().mean()) if f.numel() else 1.0,
+        "finite_frac": n_finite / f.numel() if f.numel() else 1.0,
         "norm": float(fin.norm()) if fin.numel() else 0.0,
         "min": float(fin.min()) if fin.numel() else 0.0,
         "max": float(fin.max()) if fin.numel() else 0.0,
