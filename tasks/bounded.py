@@ -3,15 +3,16 @@
 The model is built on the meta device (no storage). Just before a module runs in the probe forward, its own
 parameters and buffers are read from the checkpoint (``RangeReader``: only the blocks under them verified, the
 files mapped for that read alone) and put in place; just after, they are put back on the meta device. The forward
-runs the same kernels on the same values as after a whole load, so the probe loss is the same, bit for bit. With
-autograd on (the replay of the step after the save runs as the loop ran it) the tensors a backward would need are
-dropped as they are saved: no backward runs, and kept they would hold every weight until the end. Then every
-parameter and optimizer tensor is read once, one parameter at a time, for the statistics the expectations check.
-Peak memory: the largest module's tensors, the activations, and one parameter's optimizer state.
+runs the same kernels on the same values as after a whole load, so the probe loss is the same, bit for bit. The
+tensors brought in do not require grad, so with autograd on (the replay of the step after the save) no graph keeps
+a weight past its module; nothing steps. Then every parameter and optimizer tensor is read once, one at a time
+(the statistics the expectations check come from that pass), each checked against the shape the model gives it.
+Peak memory: the largest module's tensors, the activations, and one optimizer tensor.
 
-A model that cannot run this way raises :class:`NotStreamable` (its builder makes real tensors, it keeps
-non-persistent buffers the checkpoint does not hold, or a forward reads another module's weights directly), and
-the sanity step loads it whole instead, saying why in its result.
+A model that cannot run this way raises :class:`NotStreamable` (its builder fails or makes real tensors on the meta
+device, it keeps non-persistent buffers the checkpoint does not hold, its names or shapes are not the checkpoint's,
+or a forward reads another module's weights directly), and the sanity step loads it whole instead, saying why in
+its result: whatever the whole load then finds is the verdict.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from ckptflow.trainer.distenv import DistEnv
 from ckptflow.trainer.errors import IntegrityError, LoadError
 from ckptflow.trainer.loader import load_local
-from ckptflow.trainer.state import OPTIM_STATE
+from ckptflow.trainer.state import OPTIM_STATE, _plain_name
 
 __all__ = ["NotStreamable", "Streamer", "streamed_model"]
 
@@ -58,7 +59,7 @@ class Streamer:
 
         missing = [k for k in keys if k not in self.sizes]
         if missing:
-            raise LoadError(f"the checkpoint holds no tensor {', '.join(missing[:3])}: the model differs from its own")
+            raise NotStreamable(f"the checkpoint holds no tensor {', '.join(missing[:3])} under the model's names")
         got = {k: torch.empty(self.sizes[k][0], dtype=self.sizes[k][1]) for k in keys}
         target: dict[str, Any] = {}
         for k, t in got.items():  # DCP matches flattened names: {"model": {"tok.weight": t}} is model.tok.weight
@@ -72,22 +73,33 @@ class Streamer:
         return got
 
 
-def _owned(model: torch.nn.Module) -> list[tuple[torch.nn.Module, list[tuple[str, str, torch.Tensor]]]]:
-    """Each module with tensors of its own: (module, [(attribute, checkpoint key, meta tensor)])."""
+def _owned(
+    model: torch.nn.Module, streamer: Streamer
+) -> list[tuple[torch.nn.Module, list[tuple[str, str, torch.Tensor]]]]:
+    """Each module with tensors of its own: (module, [(attribute, checkpoint key, meta tensor)]), every one of them
+    in the checkpoint with its shape and dtype, and every model tensor of the checkpoint one of them."""
     out = []
+    keys: set[str] = set()
     for mname, mod in model.named_modules():
         own: list[tuple[str, str, torch.Tensor]] = []
         for attr, t in [*mod._parameters.items(), *mod._buffers.items()]:
             if t is None:
                 continue
-            fqn = f"{mname}.{attr}" if mname else attr
+            fqn = _plain_name(f"{mname}.{attr}" if mname else attr)  # as DCP's state dict names it
             if t.device.type != "meta":
                 raise NotStreamable(f"its builder made {fqn} on {t.device}, not on the meta device")
             if attr in mod._non_persistent_buffers_set:
                 raise NotStreamable(f"{fqn} is a non-persistent buffer: the checkpoint does not hold it")
-            own.append((attr, f"{MODEL}.{fqn}", t))
+            key = f"{MODEL}.{fqn}"
+            if streamer.sizes.get(key) != (tuple(t.shape), t.dtype):
+                raise NotStreamable(f"{key}: {streamer.sizes.get(key)} in the checkpoint, the model's is {t.shape}")
+            own.append((attr, key, t))
+            keys.add(key)
         if own:
             out.append((mod, own))
+    extra = sorted(k for k in streamer.sizes if k.startswith(f"{MODEL}.") and k not in keys)
+    if extra:
+        raise NotStreamable(f"the checkpoint holds model tensors this model has not: {', '.join(extra[:3])}")
     return out
 
 
@@ -95,14 +107,15 @@ def _owned(model: torch.nn.Module) -> list[tuple[torch.nn.Module, list[tuple[str
 def streamed_model(model: torch.nn.Module, streamer: Streamer) -> Iterator[None]:
     """While inside, ``model`` (built on the meta device) runs with each module's tensors read just before its
     forward and released just after (module doc)."""
-    owned = _owned(model)
+    owned = _owned(model, streamer)
     handles = []
 
     def bring(mod: torch.nn.Module, own: list[tuple[str, str, torch.Tensor]]) -> None:
         got = streamer.read([key for _, key, _ in own])
-        for attr, key, meta in own:
+        for attr, key, _ in own:
             if attr in mod._parameters:
-                mod._parameters[attr] = torch.nn.Parameter(got[key], requires_grad=meta.requires_grad)
+                # no grad: an autograd graph would hold each weight (its AccumulateGrad node) to the end
+                mod._parameters[attr] = torch.nn.Parameter(got[key], requires_grad=False)
             else:
                 mod._buffers[attr] = got[key]
 
@@ -117,18 +130,12 @@ def streamed_model(model: torch.nn.Module, streamer: Streamer) -> Iterator[None]
         handles.append(mod.register_forward_pre_hook(lambda m, _a, own=own: bring(m, own)))
         handles.append(mod.register_forward_hook(lambda m, _a, _o, own=own: release(m, own)))
     try:
-        # Nothing kept for a backward that never runs (kept, the saved weights would outlive their module)
-        with torch.autograd.graph.saved_tensors_hooks(lambda _t: None, _never):
-            yield
+        yield
     finally:
         for h in handles:
             h.remove()
         for mod, own in owned:
             release(mod, own)
-
-
-def _never(_packed: Any) -> torch.Tensor:
-    raise RuntimeError("the bounded sanity step runs no backward")
 
 
 def stream_stats(
@@ -147,6 +154,9 @@ def stream_stats(
             got: dict[str, dict] = {}
             for k in sorted(k for k in streamer.sizes if k.startswith(f"{OPTIM_STATE}{name}.")):  # one at a time
                 key = k.rpartition(".")[2]
+                shape = streamer.sizes[k][0]
+                if shape and shape != tuple(p.shape):
+                    raise NotStreamable(f"{k}: {shape} in the checkpoint, its parameter's is {tuple(p.shape)}")
                 t = streamer.read([k])[k]
                 if key in ("exp_avg", "exp_avg_sq"):
                     got[key] = row(f"{name}.{key}", key, t)

@@ -222,8 +222,11 @@ def _restore_and_probe(
 
     parallel = "fsdp" if env.world_size > 1 else "none"
     if bounded:
-        with torch.device("meta"):
-            built = builder(san["config"], parallel=parallel)
+        try:
+            with torch.device("meta"):
+                built = builder(san["config"], parallel=parallel)
+        except Exception as e:  # noqa: BLE001 - a builder that needs real tensors (.item(), numpy, file reads)
+            raise NotStreamable(f"its builder failed on the meta device ({type(e).__name__}: {e})"[:500]) from e
     else:
         built = builder(san["config"], parallel=parallel)
     probe = san.get("probe") or {}
@@ -255,9 +258,13 @@ def _restore_and_probe(
     t_load = time.perf_counter() - t1
     t2 = time.perf_counter()
     streamer = Streamer(reader, env) if reader is not None else None
+    stats = None
     try:
         with streamed_model(built.model, streamer) if streamer is not None else contextlib.nullcontext():
             loss = _probe_loss(built, kind, probe, sampler)
+        t_probe = time.perf_counter() - t2
+        if streamer is not None:  # every parameter and optimizer tensor read once, its bytes verified as it is
+            stats = stream_stats(built.model, built.optimizer, streamer, _row)
     except NotStreamable:
         raise
     except (LoadError, IntegrityError) as e:
@@ -266,11 +273,7 @@ def _restore_and_probe(
         if streamer is None:
             raise
         raise NotStreamable(f"its forward failed with each module's tensors brought in alone ({e})"[:500]) from e
-    t_probe = time.perf_counter() - t2
-    stats = None
-    if streamer is not None:  # every parameter and optimizer tensor read once, its bytes verified as it is
-        stats = stream_stats(built.model, built.optimizer, streamer, _row)
-    elif want_stats:
+    if streamer is None and want_stats:
         stats = tensor_stats(built.model, built.optimizer)
     return {
         "loss": loss,

@@ -77,6 +77,7 @@ _COULD_NOT = {
     "ConfigError": "this worker cannot build the model",
     "load": "the model built here would not take the verified bytes",
     "resources": "the check ran out of memory",
+    "ResourceError": "the check could not get what it needs to run",
     "no-sanity-spec": "the manifest records no model to rebuild",
     "no-replay": "the model's builder cannot replay the recorded step",
 }
@@ -94,7 +95,14 @@ def could_not_check(res: dict[str, Any]) -> str | None:
     return f"{what} ({problems[0][:500]})" if problems else what
 
 
+FORK_DIED = -1001
+"""``_sanity_forked``'s return code for a fork-server child that died before answering (its status is the
+server's): killed, most likely, for memory."""
+
+
 def _died(returncode: int) -> str:
+    if returncode == FORK_DIED:
+        return "the fork server's child died before its verdict (killed: by a memory limit, or an operator)"
     if returncode < 0:
         import signal
 
@@ -187,7 +195,7 @@ def _sanity_forked(args: list[str], timeout_s: float) -> tuple[int, str] | None:
     except TimeoutError:
         raise subprocess.TimeoutExpired(["forkserver:sanity", *args], timeout_s) from None
     except forkserver.ForkServerError as e:  # the check died (or raised past main): like a crash
-        return -1, f"{e}\n{e.log_tail}"
+        return FORK_DIED, f"{e}\n{e.log_tail}"
     return None if got is None else (int(got["rc"]), "")
 
 
@@ -226,11 +234,15 @@ def validate_expectations(
 
 
 def _previous_verified(run_path: str, step: int) -> tuple[int | None, list[dict] | None]:
+    """The newest earlier step the verify stage passed with statistics (an unproven one has none: the norm change
+    is measured against the one before it, never against nothing)."""
     from ckptflow.tasks.stages import VERIFY
 
     for s in sorted(records.steps_with_records(run_path), reverse=True):
         if s < step and records.read_record(run_path, s, VERIFY.record) is not None:
-            return s, records.read_side_file(run_path, s, layout.STATS)
+            stats = records.read_side_file(run_path, s, layout.STATS)
+            if stats is not None:
+                return s, stats
     return None, None
 
 

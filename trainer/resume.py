@@ -215,7 +215,10 @@ def settle(run_path: str, w: Walked, *, found_by: str = "resume", repair_latest:
             set_aside_or_warn(run_path, step, why, found_by)
     if repair_latest and w.latest_was != w.chosen.step:
         log.warning("resume: 'latest' named %s; repaired to step %d", w.latest_was, w.chosen.step)
-        commit.write_latest(run_path, w.chosen.step)
+        try:
+            commit.write_latest(run_path, w.chosen.step)
+        except OSError as e:  # the next commit writes it; a resume reads committed steps, not `latest` alone
+            log.warning("resume: could not repair 'latest' (%s)", e)
 
 
 def set_aside_or_warn(run_path: str, step: int, why: str, found_by: str) -> None:
@@ -226,11 +229,13 @@ def set_aside_or_warn(run_path: str, step: int, why: str, found_by: str) -> None
         log.warning("resume: could not set %s aside (%s); it stays where it is, not resumed from", step, e)
 
 
-def needs_tiers(run_path: str, rep: ResumeReport) -> bool:
+def needs_tiers(run_path: str, rep: ResumeReport, *, at_most: int | None = None) -> bool:
     """Whether a resume must list the tiers beyond hot: hot has no good checkpoint, or the one it has is not the
     run's ``latest`` (something newer was passed over or is missing), or an earlier resume set a newer step aside
     and went on from an older one (warm may hold it). A commit never moves ``latest`` back, so a good ``latest``
-    on hot is the run's newest."""
+    on hot is the run's newest. ``at_most``: a step asked for by name; hot holding it good is enough."""
+    if at_most is not None:
+        return rep.chosen is None or rep.chosen.step < at_most
     return (
         rep.chosen is None
         or bool(rep.skipped)

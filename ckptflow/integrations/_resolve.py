@@ -82,7 +82,7 @@ def newest_verified(
             run_path,
             find=lambda after: find_resume_point(run_path, deep=True, after=after),
             use=use,
-            beyond=lambda rep: bool(recall.tiers) and needs_tiers(run_path, rep),
+            beyond=lambda rep: bool(recall.tiers) and needs_tiers(run_path, rep, at_most=at_most),
             held=held,
             bring=bring,
             where=recall.describe(),

@@ -92,8 +92,6 @@ def test_a_check_past_its_timeout_is_killed(tiny_run, server, monkeypatch):
     while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not alive(pid)
-    late = run_sanity(step_dir(tiny_run, 2), timeout_s=0.2)  # what a fresh process's timeout gives, too
-    assert late["error"] == "timeout" and not late["ok"], late
     assert run_sanity(step_dir(tiny_run, 2))["ok"]  # and the server goes on serving
 
 

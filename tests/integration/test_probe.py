@@ -81,9 +81,8 @@ def test_the_live_probe_is_recorded_at_every_save_and_replays_bitwise(tmp_path):
     r, calls, probes = _run(tmp_path)
     assert sorted(probes) == [2, 4, 6, 8], r.stderr[-2000:]
     assert calls == 4 and all(p["source"] == "live_model" for p in probes.values())
-    for step in (4, 8):  # the sanity step rebuilds each checkpoint and gets the same bits
-        res = _sanity(str(tmp_path / "r" / layout.step_name(step)))
-        assert res["probe_match"] == "bitwise", res
+    res = _sanity(str(tmp_path / "r" / layout.step_name(8)))  # the sanity step rebuilds it and gets the same bits
+    assert res["probe_match"] == "bitwise", res
 
 
 TIED = """

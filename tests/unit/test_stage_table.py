@@ -40,3 +40,17 @@ def test_only_a_verdict_on_the_checkpoint_quarantines_it():
         {"ok": True, "error": "timeout"},
     ):
         assert could_not_check(verdict) is None, verdict
+
+
+def test_an_unproven_checkpoint_is_not_what_the_next_one_s_norm_change_is_measured_against(tmp_path):
+    """A step the verify stage carried on unproven has a record but no statistics: the next step compares with
+    the newest one that has them, not with nothing (which would turn the norm-change expectation off)."""
+    from ckptflow.tasks import records
+    from ckptflow.tasks.verify import _previous_verified
+    from ckptflow.trainer.format import layout
+
+    run = str(tmp_path / "run")
+    records.write_record(run, 2, "verified", {"ok": True})
+    records.write_side_file(run, 2, layout.STATS, [{"name": "w", "norm": 1.0}])
+    records.write_record(run, 4, "verified", {"ok": True, "proven": False, "not_proven": "timeout"})
+    assert _previous_verified(run, 6) == (2, [{"name": "w", "norm": 1.0}])

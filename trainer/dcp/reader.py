@@ -151,6 +151,9 @@ class Copy:
 class VerifiedReader(FileSystemReader):
     """A ``StorageReader`` for one local checkpoint directory and its (authenticated) manifest."""
 
+    read_ahead = True
+    """Ask the kernel for each mapped file's first ``READAHEAD`` bytes at once (a load reads files whole)."""
+
     def __init__(self, path: str, manifest: Manifest, *, threads: int = THREADS) -> None:
         super().__init__(path)
         self.ckpt_dir = os.fspath(path)
@@ -322,7 +325,8 @@ class VerifiedReader(FileSystemReader):
                 data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
                 if hasattr(mmap, "MADV_SEQUENTIAL"):
                     data.madvise(mmap.MADV_SEQUENTIAL)
-                readahead(data, 0, READAHEAD)  # the first window; each run of blocks asks for the next
+                if self.read_ahead:
+                    readahead(data, 0, READAHEAD)  # the first window; each run of blocks asks for the next
                 return data
         except FileNotFoundError:
             raise IntegrityError(f"{path}: missing", path=path) from None
@@ -356,7 +360,14 @@ def _close_maps(maps: list[mmap.mmap]) -> None:
 class RangeReader(VerifiedReader):
     """For many small reads of large files (the bounded sanity step: one module's tensors at a time): each read
     verifies only the blocks under the items it reads (a file without block digests: whole) and maps the files
-    for that read alone, so what stays resident is what was asked for, not the files."""
+    for that read alone, so what stays resident is what was asked for, not the files. A file with one digest for
+    all of it (no block digests) is verified whole, once per reader."""
+
+    read_ahead = False  # a few items of a file per read: the kernel's own readahead is enough
+
+    def __init__(self, path: str, manifest: Manifest, *, threads: int = THREADS) -> None:
+        super().__init__(path, manifest, threads=threads)
+        self._whole_verified: set[str] = set()
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file = self._per_file(plan)
@@ -365,7 +376,8 @@ class RangeReader(VerifiedReader):
         for name, items in per_file.items():
             every = blocks_of(name, self._entry(name), len(maps[name]))
             if not every or every[0].whole:
-                blocks += every
+                if name not in self._whole_verified:
+                    blocks += every
                 continue
             size = every[0].end - every[0].start
             under = {
@@ -379,6 +391,7 @@ class RangeReader(VerifiedReader):
             err = verify(maps[b.name], b, self._path(b.name))
             if err is not None:
                 raise err
+        self._whole_verified.update(b.name for b in blocks if b.whole)
         copies, byte_items = self._locate(per_file, maps, Locator(), lambda req: planner.resolve_tensor(req).detach())
         for c in copies:
             if c.hi > c.lo:
