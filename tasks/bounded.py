@@ -26,7 +26,7 @@ import torch
 from ckptflow.trainer.distenv import DistEnv
 from ckptflow.trainer.errors import IntegrityError, LoadError
 from ckptflow.trainer.loader import load_local
-from ckptflow.trainer.state import OPTIM_STATE, _plain_name
+from ckptflow.trainer.state import OPTIM_STATE, plain_name
 
 __all__ = ["NotStreamable", "Streamer", "streamed_model"]
 
@@ -85,7 +85,7 @@ def _owned(
         for attr, t in [*mod._parameters.items(), *mod._buffers.items()]:
             if t is None:
                 continue
-            fqn = _plain_name(f"{mname}.{attr}" if mname else attr)  # as DCP's state dict names it
+            fqn = plain_name(f"{mname}.{attr}" if mname else attr)  # as DCP's state dict names it
             if t.device.type != "meta":
                 raise NotStreamable(f"its builder made {fqn} on {t.device}, not on the meta device")
             if attr in mod._non_persistent_buffers_set:

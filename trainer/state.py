@@ -35,6 +35,7 @@ __all__ = [
     "build_load_target",
     "build_save_state",
     "capture_rng",
+    "plain_name",
     "prefill_optimizer_state",
     "rank_state",
     "reseed_rng",
@@ -100,7 +101,8 @@ RANKS = "ranks"
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
-def _plain_name(name: str) -> str:
+def plain_name(name: str) -> str:
+    """A parameter or buffer name as DCP's state dict gives it (DDP's and ``torch.compile``'s prefixes dropped)."""
     while name.startswith(_WRAPPER_PREFIXES):
         name = name.split(".", 1)[1]
     return name
@@ -108,8 +110,8 @@ def _plain_name(name: str) -> str:
 
 def buffer_keys(model: torch.nn.Module, model_sd: dict[str, Any]) -> list[str]:
     """The state-dict keys of the module's (persistent) buffers, DDP/compile prefixes resolved."""
-    names = {_plain_name(n) for n, _ in model.named_buffers()}
-    return sorted(k for k in model_sd if _plain_name(k) in names)
+    names = {plain_name(n) for n, _ in model.named_buffers()}
+    return sorted(k for k in model_sd if plain_name(k) in names)
 
 
 def shared_state(step: int, *, scheduler: Any = None, scaler: Any = None) -> dict[str, Any]:
@@ -196,7 +198,7 @@ def prefill_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optim
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     params = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    names = {_plain_name(n): p for n, p in model.named_parameters() if id(p) in params}
+    names = {plain_name(n): p for n, p in model.named_parameters() if id(p) in params}
     state: dict[Any, dict[str, torch.Tensor]] = {}
     for fqn, md in metadata.state_dict_metadata.items():
         if not fqn.startswith(OPTIM_STATE):
