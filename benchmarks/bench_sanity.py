@@ -1,6 +1,6 @@
 """The restore sanity step's peak memory and time against the checkpoint's size: a whole load against bounded.
 
-    python -m benchmarks.bench_sanity [--models medium,large] [--reps 2] [--probe live|next-step]
+    python -m benchmarks.bench_sanity [--models medium,large] [--reps 2] [--probe live|next-step] [--saved-ranks 1]
 
 For each preset, a checkpoint the reference job saved at world size 1 (two steps: the model, AdamW's two moments
 and the rest); then the sanity step as the verify stage runs it, a fresh process
@@ -41,10 +41,11 @@ print(json.dumps({"rc": r.returncode, "peak_kb": resource.getrusage(resource.RUS
 """
 
 
-def make_checkpoint(root: str, model: str, probe: str) -> tuple[str, int]:
+def make_checkpoint(root: str, model: str, probe: str, ranks: int) -> tuple[str, int]:
     # next-step: the reference of step 2 is the loss of step 3, replayed by the sanity step with autograd on
     steps = 3 if probe == "next-step" else 2
-    cmd = reference_job(root, model, max_steps=steps, save_every=2, nproc=1, model=model, extra=["--probe", probe])
+    extra = ["--probe", probe]
+    cmd = reference_job(root, model, max_steps=steps, save_every=2, nproc=ranks, model=model, extra=extra)
     r = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=3600)
     if r.returncode != 0:
         raise SystemExit(f"the reference job failed:\n{r.stderr[-3000:]}")
@@ -97,13 +98,20 @@ def main() -> None:
     p.add_argument(
         "--probe", default="live", choices=["live", "next-step"], help="the reference the checkpoints record"
     )
+    p.add_argument(
+        "--saved-ranks",
+        type=int,
+        default=1,
+        help="save with this many ranks (FSDP2); above 1 the sanity step restores at another world size, as a "
+        "restore drill does",
+    )
     a = p.parse_args()
     root = a.root or tempfile.mkdtemp(prefix="ckptflow-bench-sanity-")
     rows = []
     largest: tuple[str, int, float] | None = None
     for model in a.models.split(","):
         t0 = time.perf_counter()
-        step, size = make_checkpoint(root, model, a.probe)
+        step, size = make_checkpoint(root, model, a.probe, a.saved_ranks)
         print(f"{model}: checkpoint of {size / 2**20:.0f} MiB made in {time.perf_counter() - t0:.0f} s", flush=True)
         runs: dict[str, list[dict]] = {"whole": [], "bounded": []}
         for _ in range(a.reps):
