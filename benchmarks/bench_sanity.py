@@ -15,11 +15,14 @@ process); time is the process's wall time, imports included. Both must give the 
 
 Then the largest preset under a memory cgroup of a quarter of its state (cgroup v1, as root): bounded passes with
 the same bits; the whole load is killed by the kernel (what the verify stage now records as "could not check").
+With ``--saved-ranks 2``, a restore drill of it (fetch into scratch, verify, the sanity step at world size 1) under
+a cgroup of 1 GiB, less than half the checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -27,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 from ckptflow.harness import child_env, reference_job
 
@@ -74,13 +78,35 @@ def sanity(step: str, *, whole: bool, cgroup: str | None = None) -> dict:
     }
 
 
-def under_limit(step: str, limit_mb: int, *, whole: bool) -> dict:
+DRILL = """
+import json, sys
+from ckptflow.tasks.config import TierConfig
+from ckptflow.tasks.drill import drill_one
+from ckptflow.tasks.storage import Tier
+r = drill_one(Tier(TierConfig(name="hot", url=sys.argv[1])), sys.argv[2], 2, scratch_root=sys.argv[3])
+print(json.dumps({"ok": r.ok, "failure": r.failure, "world_size": r.world_size, "saved": r.saved_world_size,
+                  "match": r.probe_match, "recovery_s": r.recovery_seconds}))
+"""
+
+
+def drill(root: str, model: str, cgroup: str) -> dict:
+    """A restore drill of the step (fetch into scratch, verify, the sanity step at another world size), the
+    drilling process and all it starts under the cgroup."""
+    with tempfile.TemporaryDirectory(prefix="ckptflow-bench-drill-") as scratch:
+        cmd = [sys.executable, "-c", DRILL, root, model, scratch]
+        cmd = ["sh", "-c", f'echo $$ > {cgroup}/cgroup.procs && exec "$@"', "sh", *cmd]
+        r = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=3600)
+    return json.loads(r.stdout) if r.returncode == 0 else {"ok": False, "failure": f"rc {r.returncode}"}
+
+
+@contextlib.contextmanager
+def memory_cgroup(limit_mb: int) -> Iterator[str]:
     cg = os.path.join(CGROUP_V1, f"ckptflow-bench-{os.getpid()}")
     os.mkdir(cg)
     try:
         with open(os.path.join(cg, "memory.limit_in_bytes"), "w") as f:
             f.write(str(limit_mb << 20))
-        return sanity(step, whole=whole, cgroup=cg)
+        yield cg
     finally:
         for _ in range(100):
             try:
@@ -88,6 +114,11 @@ def under_limit(step: str, limit_mb: int, *, whole: bool) -> dict:
                 break
             except OSError:
                 time.sleep(0.1)
+
+
+def under_limit(step: str, limit_mb: int, *, whole: bool) -> dict:
+    with memory_cgroup(limit_mb) as cg:
+        return sanity(step, whole=whole, cgroup=cg)
 
 
 def main() -> None:
@@ -159,6 +190,10 @@ def main() -> None:
                 else f"killed (rc {r['rc']})"
             )
             print(f"  {how}: {what}; peak {r['peak_mb']:.0f} MiB, {r['seconds']:.1f} s")
+        if a.saved_ranks > 1:  # the drill restores it at another world size: 1, bounded
+            with memory_cgroup(1024) as cg:
+                d = drill(root, os.path.basename(os.path.dirname(step)), cg)
+            print(f"a restore drill of it under a memory cgroup of 1024 MiB (its process and the sanity step): {d}")
     print(json.dumps(rows))
 
 
