@@ -379,7 +379,6 @@ def _verify_warm(ref: CheckpointRef) -> Done:
             expectations=bool(lc.expectations),
             max_norm_change=lc.max_norm_change,
             ckpt_dir=dst,
-            sanity_timeout_s=lc.sanity_timeout_s,
         )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -172,7 +172,6 @@ def _verify(ref: CheckpointRef) -> Done:
         sanity_step=lc.sanity_step,
         expectations=lc.expectations,
         max_norm_change=lc.max_norm_change,
-        sanity_timeout_s=lc.sanity_timeout_s,
     )
     return Done(out.to_dict(), ok=out.ok)
 

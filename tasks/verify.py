@@ -253,12 +253,12 @@ def verify(
     expectations: bool = True,
     max_norm_change: float = 0.5,
     ckpt_dir: str | None = None,
-    sanity_timeout_s: float = 900.0,
 ) -> VerifyOutcome:
     """Integrity, then the sanity step, then the expectations, of the checkpoint on hot (or in
     ``ckpt_dir``: a complete copy fetched from warm); the first check that fails decides, and a sanity
     step that could not run leaves it unproven (module doc)."""
     run_path, step, run_id = ref.records_path, ref.step, ref.run_id
+    sanity_timeout_s = ref.cfg.lifecycle.sanity_timeout_s
     t0 = time.perf_counter()
     ckpt = ckpt_dir or ref.hot_dir
     if not os.path.isdir(ckpt):

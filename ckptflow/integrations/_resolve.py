@@ -17,7 +17,6 @@ from ckptflow.tasks.recall import TierRecall
 from ckptflow.tasks.storage import Tier, open_tiers
 from ckptflow.trainer.errors import CheckpointNotFoundError, ConfigError, IntegrityError
 from ckptflow.trainer.format import layout
-from ckptflow.trainer.format.manifest import read_manifest
 from ckptflow.trainer.recall import Brought, steps_with_retries
 from ckptflow.trainer.resume import (
     Candidate,
@@ -62,14 +61,13 @@ def newest_verified(
     recall = TierRecall(tiers[1:])
 
     def use(c: Candidate) -> None:
-        m = read_manifest(c.path)
-        if is_adopted(m):
-            parsed = parse_check(c.path, m)
+        if is_adopted(c.manifest):
+            parsed = parse_check(c.path, c.manifest)
             if not parsed["ok"]:
                 raise IntegrityError("; ".join(parsed["problems"]))
 
-    def held() -> set[int]:
-        return steps_with_retries(recall, run_id, wait_s=wait_s) if recall.tiers else set()
+    def held() -> set[int]:  # asked only when there are tiers (`beyond`)
+        return steps_with_retries(recall, run_id, wait_s=wait_s)
 
     def bring(step: int, bad: set[int]) -> tuple[Brought | None, str]:
         try:
